@@ -1,0 +1,55 @@
+"""Pytest plugin: `@pytest.mark.distributed(world_size=N)` runs a test's body on N forked gloo ranks.
+
+Enable it with `-p d9d.core.testing.pytest_plugin` (the repository's pytest configuration does). The test function
+itself runs on every rank with the default process group initialised; fixtures are resolved once in the parent
+before the fork. `world_size` may also come from a `world_size` parameter of the test (e.g. parametrized). Marked
+`gpu` tests are skipped cleanly when no CUDA device is visible.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from d9d.core.testing.ranks import DEFAULT_TIMEOUT_SECONDS, run_on_ranks, warm_up_distributed
+
+_warmed_up = False
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "distributed(world_size, timeout, init_process_group): run on N gloo ranks")
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped cleanly without one")
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("gpu") is not None and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU; none is visible")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    marker = pyfuncitem.get_closest_marker("distributed")
+    if marker is None:
+        return None
+    global _warmed_up
+    if not _warmed_up:
+        warm_up_distributed()
+        _warmed_up = True
+    arguments: dict[str, Any] = {
+        name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames if name in pyfuncitem.funcargs
+    }
+    world_size = marker.kwargs.get("world_size", marker.args[0] if marker.args else arguments.get("world_size"))
+    if not isinstance(world_size, int):
+        raise pytest.UsageError(
+            f"{pyfuncitem.nodeid}: @pytest.mark.distributed needs world_size=N or a `world_size` test parameter"
+        )
+    function = pyfuncitem.obj
+    run_on_ranks(
+        world_size,
+        lambda: function(**arguments),
+        timeout_seconds=float(marker.kwargs.get("timeout", DEFAULT_TIMEOUT_SECONDS)),
+        init_process_group=bool(marker.kwargs.get("init_process_group", True)),
+    )
+    return True

@@ -1,0 +1,1 @@
+"""Triton kernels with plain-PyTorch references, and backend selection for kernel families."""

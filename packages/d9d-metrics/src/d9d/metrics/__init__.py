@@ -1,0 +1,1 @@
+"""Distributed-aware metrics and experiment trackers for d9d."""

@@ -1,0 +1,1 @@
+"""Model building blocks and the d9d model catalogue (Qwen3 dense and MoE)."""

@@ -1,0 +1,1 @@
+"""Parameter-efficient fine-tuning for d9d: LoRA, full tune, stacking."""

@@ -1,0 +1,1 @@
+"""Streaming, graph-based model-state conversion over sharded safetensors."""
