@@ -19,10 +19,10 @@ import zipfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dev_install import local_torch_wheel  # noqa: E402 - sibling script, not a package
+from dev_install import local_torch_wheel
 
 ROOT = Path(__file__).resolve().parent.parent
-MEMBER_DIRS = sorted((ROOT / "packages").iterdir()) + [ROOT / "flows"]
+MEMBER_DIRS = [*sorted((ROOT / "packages").iterdir()), ROOT / "flows"]
 
 IMPORT_ALL = """
 import importlib, pkgutil, sys
@@ -37,7 +37,9 @@ print(f"imported {len(names)} modules of {sys.argv[1]}")
 def run(*command: str | Path, cwd: Path | None = None) -> str:
     done = subprocess.run([str(part) for part in command], cwd=cwd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        raise SystemExit(f"command failed ({done.returncode}): {' '.join(map(str, command))}\n{done.stdout}{done.stderr}")
+        raise SystemExit(
+            f"command failed ({done.returncode}): {' '.join(map(str, command))}\n{done.stdout}{done.stderr}"
+        )
     return done.stdout
 
 
@@ -63,7 +65,8 @@ def check_artifacts(dist_dir: Path) -> None:
         if artifact.suffix == ".whl":
             names = zipfile.ZipFile(artifact).namelist()
         elif artifact.name.endswith(".tar.gz"):
-            names = tarfile.open(artifact).getnames()
+            with tarfile.open(artifact) as archive:
+                names = archive.getnames()
         else:
             continue
         offenders = [n for n in names if re.search(r"(^|/)d9d/__init__\.py$", n)]

@@ -13,6 +13,7 @@ Members are then installed editable with `uv pip` (fast) or pip. Nothing here re
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shutil
@@ -37,15 +38,15 @@ MIN_TORCH = (2, 11)
 
 def find_links() -> list[Path]:
     raw = [os.environ.get("UV_FIND_LINKS", ""), os.environ.get("PIP_FIND_LINKS", "")]
-    try:
+    with contextlib.suppress(OSError):
         raw.append(
             subprocess.run(
                 [sys.executable, "-m", "pip", "config", "get", "global.find-links"],
-                capture_output=True, text=True, check=False,
+                capture_output=True,
+                text=True,
+                check=False,
             ).stdout
         )
-    except OSError:
-        pass
     dirs = []
     for entry in " ".join(raw).split():
         path = Path(entry.removeprefix("file://"))
@@ -57,7 +58,9 @@ def find_links() -> list[Path]:
 def python_tag(python: str) -> str:
     out = subprocess.run(
         [python, "-c", "import sys; print(f'cp{sys.version_info[0]}{sys.version_info[1]}')"],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     return out.stdout.strip()
 

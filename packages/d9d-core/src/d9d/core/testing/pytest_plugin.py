@@ -15,7 +15,7 @@ import torch
 
 from d9d.core.testing.ranks import DEFAULT_TIMEOUT_SECONDS, run_on_ranks, warm_up_distributed
 
-_warmed_up = False
+_state = {"warmed_up": False}
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -26,6 +26,15 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if item.get_closest_marker("gpu") is not None and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU; none is visible")
+    if item.get_closest_marker("distributed") is not None:
+        _warm_up_once()
+
+
+def _warm_up_once() -> None:
+    # Counted in the first distributed test's setup, not in its call, so call durations show the test itself.
+    if not _state["warmed_up"]:
+        warm_up_distributed()
+        _state["warmed_up"] = True
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -33,10 +42,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     marker = pyfuncitem.get_closest_marker("distributed")
     if marker is None:
         return None
-    global _warmed_up
-    if not _warmed_up:
-        warm_up_distributed()
-        _warmed_up = True
+    _warm_up_once()
     arguments: dict[str, Any] = {
         name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames if name in pyfuncitem.funcargs
     }

@@ -10,6 +10,7 @@ rank was stuck.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import pickle
@@ -94,6 +95,7 @@ def _free_port() -> int:
 
 
 def _rank_main(
+    *,
     rank: int,
     world_size: int,
     body: Callable[[], Any],
@@ -131,18 +133,19 @@ def _rank_main(
                 timeout=timedelta(seconds=timeout_seconds + 30),
             )
         outcome = _Outcome(ok=True, value=body())
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - whatever a rank raises (even SystemExit) is reported, not swallowed
         outcome = _Outcome(ok=False, error=traceback.format_exc())
     finally:
         if dist.is_initialized():
-            try:
+            # The rank's own outcome matters more than a teardown error (peers may already be gone).
+            with contextlib.suppress(Exception):
                 dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - the rank's own outcome matters more than a teardown error
-                pass
     try:
         payload = pickle.dumps(outcome)
     except Exception:  # noqa: BLE001 - an unpicklable return value must still be reported, not lost
-        payload = pickle.dumps(_Outcome(ok=False, error=f"rank {rank} returned an unpicklable value:\n" + traceback.format_exc()))
+        payload = pickle.dumps(
+            _Outcome(ok=False, error=f"rank {rank} returned an unpicklable value:\n" + traceback.format_exc())
+        )
     (workdir / f"result-{rank}.pkl").write_bytes(payload)
     return 0
 
@@ -174,7 +177,15 @@ def run_on_ranks(
             if pid == 0:  # pragma: no cover - runs in the child
                 code = 1
                 try:
-                    code = _rank_main(rank, world_size, body, workdir, init_process_group, port, timeout_seconds)
+                    code = _rank_main(
+                        rank=rank,
+                        world_size=world_size,
+                        body=body,
+                        workdir=workdir,
+                        init_process_group=init_process_group,
+                        port=port,
+                        timeout_seconds=timeout_seconds,
+                    )
                 finally:
                     os._exit(code)
             pids[rank] = pid
@@ -231,10 +242,8 @@ def _dump_and_kill(pids: dict[int, int], exit_codes: dict[int, int]) -> None:
 
 
 def _signal(pid: int, signum: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signum)
-    except ProcessLookupError:
-        pass
 
 
 def _report(

@@ -1,0 +1,84 @@
+"""Seeding and deterministic initialisation of (possibly sharded) parameters.
+
+The seeding rule: every host RNG (Python `random`, NumPy, torch CPU and CUDA) is seeded with `seed + pp_rank`. All
+ranks of one pipeline stage therefore draw the same random stream, which is what DTensor's sharded random ops and
+replicated parameters need, while different stages (which own different layers) draw different streams.
+
+Sharded initialisation: on CUDA, DTensor's offset-based RNG makes `nn.init.*` on a sharded DTensor produce exactly
+the values a single process would. DTensor has no such tracker for CPU meshes (gloo), where each rank would draw its
+shard from the start of the stream, i.e. every shard the same values. `init_parameter_` closes that gap: on a mesh
+without DTensor RNG support it draws the whole tensor on every rank (identical, since the streams are in sync) and
+keeps the local shard. That costs one full parameter of memory at a time, which is fine on the CPU test meshes it is
+for; on CUDA it defers to DTensor.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from d9d.core.dist.context import DistributedContext
+
+
+def stage_seed(seed: int, pp_rank: int) -> int:
+    """The seed a rank of pipeline stage `pp_rank` uses: `seed + pp_rank`."""
+    return seed + pp_rank
+
+
+def seed_everything(seed: int, ctx: DistributedContext | None = None) -> int:
+    """Seed Python, NumPy and torch (CPU and CUDA) per the rule above; returns the seed this rank used."""
+    pp_rank = ctx.pp_rank if ctx is not None else 0
+    effective = stage_seed(seed, pp_rank)
+    random.seed(effective)
+    np.random.seed(effective % 2**32)
+    torch.manual_seed(effective)  # also seeds every CUDA device, which DTensor's CUDA RNG tracker draws from
+    if ctx is not None and ctx.device_type != "cpu":
+        _seed_dtensor_rng(effective, ctx)
+    return effective
+
+
+def _seed_dtensor_rng(effective_seed: int, ctx: DistributedContext) -> None:
+    """Create DTensor's RNG tracker now, seeded per stage, instead of lazily with rank 0's state everywhere."""
+    from torch.distributed.tensor import _random as dtensor_random
+
+    from d9d.core.dist.domains import MeshDomain
+
+    mesh = ctx.mesh_for(MeshDomain.DENSE)
+    non_pipeline = mesh["dp_replicate", "dp_cp_shard", "tp"]
+    dtensor_random.manual_seed(effective_seed, non_pipeline)
+
+
+def use_deterministic_algorithms(enabled: bool = True) -> None:
+    """Make PyTorch choose deterministic kernels (and fail on ops that have none); slower, for debugging runs."""
+    if enabled:
+        # cuBLAS needs a fixed workspace to be deterministic; it must be set before the first cuBLAS call.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(enabled)
+    torch.backends.cudnn.deterministic = enabled
+    torch.backends.cudnn.benchmark = not enabled
+
+
+def _dtensor_rng_supported(tensor: DTensor) -> bool:
+    return tensor.device_mesh.device_type != "cpu"
+
+
+@torch.no_grad()
+def init_parameter_(tensor: torch.Tensor, init: Callable[[torch.Tensor], object]) -> torch.Tensor:
+    """Apply an in-place initialiser (e.g. `nn.init.normal_`) so a sharded tensor equals a single-process init.
+
+    Plain tensors and DTensors on meshes with DTensor RNG support (CUDA) are initialised directly.
+    """
+    if not isinstance(tensor, DTensor) or _dtensor_rng_supported(tensor):
+        init(tensor)
+        return tensor
+    full = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.to_local().device)
+    init(full)
+    # src_data_rank=None: every rank already holds the same full tensor, so slicing needs no communication.
+    local = distribute_tensor(full, tensor.device_mesh, tensor.placements, src_data_rank=None).to_local()
+    tensor.to_local().copy_(local)
+    return tensor

@@ -1,0 +1,22 @@
+"""Topology: parallel degrees, named mesh domains and the distributed context."""
+
+from d9d.core.dist.context import DEFAULT_TIMEOUT, DistributedContext
+from d9d.core.dist.degrees import DEGREE_NAMES, MeshDegrees
+from d9d.core.dist.domains import DomainLayout, MeshDomain, plan_domains
+from d9d.core.dist.environment import LaunchEnvironment, backend_for, resolve_device_type
+from d9d.core.dist.rank_logging import RankLoggerAdapter, build_rank_logger
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "DEGREE_NAMES",
+    "DistributedContext",
+    "DomainLayout",
+    "LaunchEnvironment",
+    "MeshDegrees",
+    "MeshDomain",
+    "RankLoggerAdapter",
+    "backend_for",
+    "build_rank_logger",
+    "plan_domains",
+    "resolve_device_type",
+]
