@@ -99,13 +99,13 @@ def main() -> int:
 
     current = installed_torch(args.python)
     if current is not None and current >= MIN_TORCH:
-        print(f"dev_install: keeping the installed torch {current[0]}.{current[1]}")
+        print(f"dev_install: keeping the installed torch {current[0]}.{current[1]}", flush=True)
         torch_requirement: list[str] = []
     elif (wheel := local_torch_wheel(args.python)) is not None:
-        print(f"dev_install: using the local torch wheel {wheel.name}")
+        print(f"dev_install: using the local torch wheel {wheel.name}", flush=True)
         torch_requirement = [str(wheel)]
     else:
-        print("dev_install: no local torch wheel found; installing torch>=2.11 from the index")
+        print("dev_install: no local torch wheel found; installing torch>=2.11 from the index", flush=True)
         torch_requirement = ["torch>=2.11"]
     if torch_requirement:
         subprocess.run([*install, *torch_requirement], check=True)
