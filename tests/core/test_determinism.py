@@ -65,22 +65,3 @@ def test_plain_tensors_are_initialised_directly():
     torch.manual_seed(3)
     tensor = init_parameter_(torch.empty(4, 4), nn.init.ones_)
     assert torch.equal(tensor, torch.ones(4, 4))
-
-
-@pytest.mark.gpu
-@pytest.mark.distributed(world_size=1)
-def test_cuda_sharded_init_matches_single_device_init():
-    import os
-
-    os.environ["D9D_DEVICE"] = "cuda"
-    dist.destroy_process_group()  # rebuild on NCCL through the context
-    ctx = DistributedContext.build()
-    seed_everything(5, ctx)
-    mesh = ctx.mesh_for("flat")
-    sharded = distribute_tensor(torch.zeros(64, 32, device="cuda"), mesh, [Shard(0)])
-    init_parameter_(sharded, lambda t: nn.init.normal_(t))
-    torch.manual_seed(5)
-    reference = torch.empty(64, 32, device="cuda")
-    nn.init.normal_(reference)
-    assert torch.equal(sharded.full_tensor(), reference)
-    ctx.close()
