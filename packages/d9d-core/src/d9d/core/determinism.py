@@ -4,12 +4,14 @@ The seeding rule: every host RNG (Python `random`, NumPy, torch CPU and CUDA) is
 ranks of one pipeline stage therefore draw the same random stream, which is what DTensor's sharded random ops and
 replicated parameters need, while different stages (which own different layers) draw different streams.
 
-Sharded initialisation: on CUDA, DTensor's offset-based RNG makes `nn.init.*` on a sharded DTensor produce exactly
-the values a single process would. DTensor has no such tracker for CPU meshes (gloo), where each rank would draw its
-shard from the start of the stream, i.e. every shard the same values. `init_parameter_` closes that gap: on a mesh
-without DTensor RNG support it draws the whole tensor on every rank (identical, since the streams are in sync) and
-keeps the local shard. That costs one full parameter of memory at a time, which is fine on the CPU test meshes it is
-for; on CUDA it defers to DTensor.
+Sharded initialisation: `init_parameter_` makes a parameter initialised while sharded equal, bit for bit, the
+single-process initialisation, on any mesh and any layout. DTensor's own sharded random ops do not give that: on
+CPU meshes (gloo) it has no RNG tracker, so every rank draws its shard from the start of the stream (all shards the
+same values), and on CUDA its offset-based Philox tracker is consistent across layouts but measured different from a
+single-device draw (tests/core/test_gpu_nccl.py). So by default every rank draws the whole tensor (identical, since
+the streams are in sync) and keeps its shard: one full parameter of transient memory at a time, and the same values
+whatever the parallel layout, which also makes a run reproducible when it is resumed on another layout.
+`layout_independent=False` defers to DTensor's tracker on CUDA for parameters too large to draw whole.
 """
 
 from __future__ import annotations
@@ -68,12 +70,15 @@ def _dtensor_rng_supported(tensor: DTensor) -> bool:
 
 
 @torch.no_grad()
-def init_parameter_(tensor: torch.Tensor, init: Callable[[torch.Tensor], object]) -> torch.Tensor:
+def init_parameter_(
+    tensor: torch.Tensor, init: Callable[[torch.Tensor], object], *, layout_independent: bool = True
+) -> torch.Tensor:
     """Apply an in-place initialiser (e.g. `nn.init.normal_`) so a sharded tensor equals a single-process init.
 
-    Plain tensors and DTensors on meshes with DTensor RNG support (CUDA) are initialised directly.
+    Plain tensors are initialised directly; DTensors draw the whole tensor and keep their shard (see the module
+    docstring), unless `layout_independent=False` on a mesh where DTensor's RNG tracker works (CUDA).
     """
-    if not isinstance(tensor, DTensor) or _dtensor_rng_supported(tensor):
+    if not isinstance(tensor, DTensor) or (not layout_independent and _dtensor_rng_supported(tensor)):
         init(tensor)
         return tensor
     full = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.to_local().device)

@@ -8,6 +8,7 @@ before the fork. `world_size` may also come from a `world_size` parameter of the
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -19,6 +20,9 @@ _state = {"warmed_up": False}
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # `torch.cuda.is_available()` normally asks the CUDA driver, which poisons later forks for CUDA use; the NVML-based
+    # check answers the same question without that, so GPU tests can still fork ranks that each use a GPU.
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     config.addinivalue_line("markers", "distributed(world_size, timeout, init_process_group): run on N gloo ranks")
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped cleanly without one")
 

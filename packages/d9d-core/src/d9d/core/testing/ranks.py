@@ -79,6 +79,11 @@ def _check_forkable() -> None:
             "refusing to fork ranks: this process holds a process group, and a forked copy of it would deadlock; "
             "run this test in a process without one (destroy the group first)."
         )
+    if torch.cuda.is_initialized():
+        raise RuntimeError(
+            "refusing to fork ranks: CUDA is initialised in this process and cannot be used in a forked child; "
+            "keep CUDA work inside the ranks (and check availability with PYTORCH_NVML_BASED_CUDA_CHECK=1)."
+        )
     others = [thread.name for thread in threading.enumerate() if thread is not threading.main_thread()]
     if others:
         raise RuntimeError(
