@@ -72,11 +72,11 @@ def declared_siblings(name: str, projects: dict[str, dict[str, object]]) -> set[
 def extra_modules(member: Path) -> list[str]:
     """Top-level module names provided by the member's optional dependencies (distribution name, normalised)."""
     extras: dict[str, list[str]] = project_of(member).get("optional-dependencies", {})  # type: ignore[assignment]
-    names = []
-    for requirements in extras.values():
-        for requirement in requirements:
-            names.append(re.split(r"[<>=!~\[ ;]", requirement, maxsplit=1)[0].replace("-", "_").lower())
-    return names
+    return [
+        re.split(r"[<>=!~\[ ;]", requirement, maxsplit=1)[0].replace("-", "_").lower()
+        for requirements in extras.values()
+        for requirement in requirements
+    ]
 
 
 def check_artifacts(dist_dir: Path) -> None:

@@ -79,7 +79,7 @@ def _check_forkable() -> None:
             "refusing to fork ranks: this process holds a process group, and a forked copy of it would deadlock; "
             "run this test in a process without one (destroy the group first)."
         )
-    if torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]  # untyped in torch's stubs
         raise RuntimeError(
             "refusing to fork ranks: CUDA is initialised in this process and cannot be used in a forked child; "
             "keep CUDA work inside the ranks (and check availability with PYTORCH_NVML_BASED_CUDA_CHECK=1)."
