@@ -85,7 +85,9 @@ def local_torch_wheel(python: str) -> Path | None:
 
 
 def installer(python: str) -> list[str]:
-    uv = shutil.which("uv")
+    # uv is about 20x faster than pip here; it may sit beside this interpreter (pip install uv in a venv) or on PATH.
+    beside = Path(sys.executable).parent / "uv"
+    uv = str(beside) if beside.exists() else shutil.which("uv")
     return [uv, "pip", "install", "--python", python] if uv else [python, "-m", "pip", "install"]
 
 
