@@ -1,1 +1,49 @@
-"""Horizontal parallelism for d9d: replicate, FSDP, HSDP, tensor, sequence, context and expert parallel."""
+"""Horizontal parallelism for d9d: replicate, FSDP, HSDP, exact gradient-norm clipping, module selection.
+
+Every style is a function on a module and a mesh. Data parallelism reduces gradients by sum; divide the loss by the
+step's global token count.
+"""
+
+from d9d.parallel.config import (
+    AnyDataParallelConfig,
+    FsdpConfig,
+    HsdpConfig,
+    MixedPrecisionConfig,
+    ReplicateConfig,
+    build_data_parallel,
+)
+from d9d.parallel.fully_sharded import parallelize_fsdp, parallelize_hsdp, use_sum_reduction
+from d9d.parallel.grad_norm import clip_grad_norm_, total_grad_norm
+from d9d.parallel.grad_sync import GradientSynchronizer
+from d9d.parallel.mixed_precision import BF16_COMPUTE_FP32_REDUCE, MixedPrecision
+from d9d.parallel.plan import ByName, ByRole, ModuleSelector, assign_role, roles_of, select_modules
+from d9d.parallel.replicate import ReplicateHandle, parallelize_replicate, replicated_parameters
+from d9d.parallel.sync import GradientSync, ModuleGradientSync
+
+__all__ = [
+    "BF16_COMPUTE_FP32_REDUCE",
+    "AnyDataParallelConfig",
+    "ByName",
+    "ByRole",
+    "FsdpConfig",
+    "GradientSync",
+    "GradientSynchronizer",
+    "HsdpConfig",
+    "MixedPrecision",
+    "MixedPrecisionConfig",
+    "ModuleGradientSync",
+    "ModuleSelector",
+    "ReplicateConfig",
+    "ReplicateHandle",
+    "assign_role",
+    "build_data_parallel",
+    "clip_grad_norm_",
+    "parallelize_fsdp",
+    "parallelize_hsdp",
+    "parallelize_replicate",
+    "replicated_parameters",
+    "roles_of",
+    "select_modules",
+    "total_grad_norm",
+    "use_sum_reduction",
+]

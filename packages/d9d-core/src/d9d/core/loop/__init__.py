@@ -1,0 +1,85 @@
+"""The execution engine: `Trainer` and `Inference` over injected providers, typed events, schedules."""
+
+from d9d.core.loop.config import CheckpointingConfig, TrainerConfig
+from d9d.core.loop.defaults import JsonlTracker, NoGradientSync, clip_grad_norm_torch
+from d9d.core.loop.evaluation import EvaluationResult, evaluate
+from d9d.core.loop.events import (
+    CheckpointSaved,
+    CheckpointWritten,
+    EventBus,
+    ForwardBackwardFinished,
+    OptimizerStepped,
+    StepFinished,
+    StepStarted,
+    TrainingFinished,
+    TrainingStarted,
+    ValidationFinished,
+)
+from d9d.core.loop.inference import Inference
+from d9d.core.loop.protocols import (
+    BuiltModel,
+    ByteCountingTask,
+    DataProvider,
+    DataSource,
+    Exporter,
+    GradientClipper,
+    GradientSync,
+    LossResult,
+    LRSchedulerProvider,
+    ModelLoader,
+    ModelProvider,
+    OptimizerProvider,
+    Tracker,
+    TrainTask,
+)
+from d9d.core.loop.schedule import AccumulationSchedule, ScheduleResult, StepSchedule
+from d9d.core.loop.synthetic import SyntheticTokenSource, TokenBatch, synthetic_global_batch
+from d9d.core.loop.trainer import Trainer, TrainerParts, TrainResult
+from d9d.core.loop.wiring import build_inference, build_trainer, dp_size_of
+
+__all__ = [
+    "AccumulationSchedule",
+    "BuiltModel",
+    "ByteCountingTask",
+    "CheckpointSaved",
+    "CheckpointWritten",
+    "CheckpointingConfig",
+    "DataProvider",
+    "DataSource",
+    "EvaluationResult",
+    "EventBus",
+    "Exporter",
+    "ForwardBackwardFinished",
+    "GradientClipper",
+    "GradientSync",
+    "Inference",
+    "JsonlTracker",
+    "LRSchedulerProvider",
+    "LossResult",
+    "ModelLoader",
+    "ModelProvider",
+    "NoGradientSync",
+    "OptimizerProvider",
+    "OptimizerStepped",
+    "ScheduleResult",
+    "StepFinished",
+    "StepSchedule",
+    "StepStarted",
+    "SyntheticTokenSource",
+    "TokenBatch",
+    "Tracker",
+    "TrainResult",
+    "TrainTask",
+    "Trainer",
+    "TrainerConfig",
+    "TrainerParts",
+    "TrainingFinished",
+    "TrainingStarted",
+    "ValidationFinished",
+    "build_inference",
+    "build_trainer",
+    "clip_grad_norm_torch",
+    "dp_size_of",
+    "evaluate",
+    "synthetic_global_batch",
+]

@@ -1,0 +1,93 @@
+"""Typed events around the phases of a step, and a synchronous, fail-fast event bus.
+
+A subscriber names the context type it wants (`bus.subscribe(StepFinished, callback)`) and receives exactly that
+frozen dataclass, so it sees what it may use and nothing else.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+TEvent = TypeVar("TEvent")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingStarted:
+    start_step: int
+    total_steps: int
+    resumed_from: Path | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepStarted:
+    step: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class ForwardBackwardFinished:
+    """After every micro-batch of the step went through forward and backward (gradients not yet reduced)."""
+
+    step: int
+    num_microbatches: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerStepped:
+    step: int
+    grad_norm: float
+    learning_rate: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepFinished:
+    """A finished step with its logged metrics (`loss` is the exact token-weighted mean of the global batch)."""
+
+    step: int
+    loss: float
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ValidationFinished:
+    step: int
+    loss: float
+    perplexity: float
+    tokens: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointWritten:
+    """The checkpoint's data is on disk, its completion marker not yet: a crash now leaves it incomplete."""
+
+    step: int
+    path: Path
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointSaved:
+    step: int
+    path: Path
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingFinished:
+    step: int
+    preempted: bool
+
+
+class EventBus:
+    """Maps an event context type to its subscribers; `emit` calls them in subscription order, exceptions propagate."""
+
+    def __init__(self) -> None:
+        self._subscribers: defaultdict[type[Any], list[Callable[[Any], None]]] = defaultdict(list)
+
+    def subscribe(self, event_type: type[TEvent], callback: Callable[[TEvent], None]) -> None:
+        self._subscribers[event_type].append(callback)
+
+    def emit(self, event: object) -> None:
+        for callback in self._subscribers.get(type(event), ()):
+            callback(event)
