@@ -1,0 +1,33 @@
+"""Attention kernels behind one interface: eager reference, PyTorch SDPA, FlashAttention 2 (optional)."""
+
+from d9d.kernels.attention.api import AttentionBackend
+from d9d.kernels.attention.config import (
+    ATTENTION_CONFIG_ADAPTER,
+    AnyAttentionConfig,
+    EagerAttentionConfig,
+    FlashAttention2Config,
+    SdpaAttentionConfig,
+    build_attention_backend,
+    detect_attention_config,
+    resolve_attention_config,
+)
+from d9d.kernels.attention.eager import EagerAttention
+from d9d.kernels.attention.flash import FlashAttention2
+from d9d.kernels.attention.mask import AttentionMask
+from d9d.kernels.attention.sdpa import SdpaAttention
+
+__all__ = [
+    "ATTENTION_CONFIG_ADAPTER",
+    "AnyAttentionConfig",
+    "AttentionBackend",
+    "AttentionMask",
+    "EagerAttention",
+    "EagerAttentionConfig",
+    "FlashAttention2",
+    "FlashAttention2Config",
+    "SdpaAttention",
+    "SdpaAttentionConfig",
+    "build_attention_backend",
+    "detect_attention_config",
+    "resolve_attention_config",
+]

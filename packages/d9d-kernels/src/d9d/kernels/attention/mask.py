@@ -1,0 +1,77 @@
+"""Which key positions each query may attend to: causal order, and documents packed into one sequence."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionMask:
+    """Causal masking and, for packed sequences, document masking.
+
+    `document_ids` is `(batch, seq)`: a query attends only to keys of the same row with the same id (and, when
+    `causal`, not after itself). Documents must be contiguous runs in a row. `None` means one document per row.
+    Built once per forward pass and shared by every layer; derived forms (a dense boolean mask, varlen offsets)
+    are computed on first use and cached here.
+    """
+
+    causal: bool = True
+    document_ids: torch.Tensor | None = None
+    _cache: dict[str, object] = field(default_factory=dict, repr=False)
+
+    @property
+    def is_plain_causal(self) -> bool:
+        """Nothing but causal masking: backends can use their built-in causal mode and no mask tensor."""
+        return self.causal and self.document_ids is None
+
+    def dense(self, seq_len: int, device: torch.device) -> torch.Tensor | None:
+        """A boolean mask broadcastable to `(batch, heads, seq, seq)`, `True` where attention is allowed.
+
+        `None` when nothing is masked (no documents, not causal).
+        """
+        key = f"dense:{seq_len}:{device}"
+        if key not in self._cache:
+            self._cache[key] = self._build_dense(seq_len, device)
+        cached = self._cache[key]
+        assert cached is None or isinstance(cached, torch.Tensor)
+        return cached
+
+    def _build_dense(self, seq_len: int, device: torch.device) -> torch.Tensor | None:
+        mask: torch.Tensor | None = None
+        if self.causal:
+            mask = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()[None, None]
+        if self.document_ids is not None:
+            ids = self.document_ids.to(device)
+            if ids.shape[-1] != seq_len:
+                raise ValueError(
+                    f"document_ids has sequence length {ids.shape[-1]} but attention runs over {seq_len} positions"
+                )
+            same = (ids[:, :, None] == ids[:, None, :])[:, None]
+            mask = same if mask is None else mask & same
+        return mask
+
+    def varlen_offsets(self) -> tuple[torch.Tensor, int]:
+        """Cumulative document lengths over the flattened `(batch * seq)` tokens (int32) and the longest document.
+
+        This is the `cu_seqlens` / `max_seqlen` pair of variable-length attention kernels.
+        """
+        if "varlen" not in self._cache:
+            self._cache["varlen"] = self._build_varlen()
+        cached = self._cache["varlen"]
+        assert isinstance(cached, tuple)
+        return cached
+
+    def _build_varlen(self) -> tuple[torch.Tensor, int]:
+        if self.document_ids is None:
+            raise ValueError("varlen offsets need document_ids")
+        ids = self.document_ids
+        batch, seq = ids.shape
+        starts = torch.ones_like(ids, dtype=torch.bool)
+        starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+        positions = starts.reshape(-1).nonzero().squeeze(-1)
+        total = torch.tensor([batch * seq], device=ids.device, dtype=positions.dtype)
+        offsets = torch.cat([positions, total]).to(torch.int32)
+        longest = int((offsets[1:] - offsets[:-1]).max().item())
+        return offsets, longest

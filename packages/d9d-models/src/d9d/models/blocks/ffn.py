@@ -1,0 +1,26 @@
+"""SwiGLU feed-forward: `down(silu(gate(x)) * up(x))`."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional
+
+from d9d.models.blocks.late_init import init_normal_
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, *, init_std: float = 0.02) -> None:
+        super().__init__()
+        self.init_std = init_std
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def reset_parameters(self) -> None:
+        for linear in (self.gate_proj, self.up_proj, self.down_proj):
+            init_normal_(linear.weight, self.init_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.down_proj(functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        return out

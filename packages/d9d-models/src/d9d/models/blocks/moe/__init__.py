@@ -1,0 +1,23 @@
+"""Mixture of experts: router, grouped experts, permutation, auxiliary losses, the layer."""
+
+from d9d.models.blocks.moe.experts import GroupedLinear, GroupedSwiGLU
+from d9d.models.blocks.moe.layer import MoELayer
+from d9d.models.blocks.moe.losses import attach_aux_loss, load_balancing_loss, router_z_loss
+from d9d.models.blocks.moe.permute import PermutedTokens, permute_tokens, unpermute_tokens
+from d9d.models.blocks.moe.router import RouterScoring, RoutingResult, TopKRouter, force_routing
+
+__all__ = [
+    "GroupedLinear",
+    "GroupedSwiGLU",
+    "MoELayer",
+    "PermutedTokens",
+    "RouterScoring",
+    "RoutingResult",
+    "TopKRouter",
+    "attach_aux_loss",
+    "force_routing",
+    "load_balancing_loss",
+    "permute_tokens",
+    "router_z_loss",
+    "unpermute_tokens",
+]

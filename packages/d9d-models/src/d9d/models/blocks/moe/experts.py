@@ -1,0 +1,52 @@
+"""Experts stored stacked `(E, ...)` and run as grouped matmuls over tokens sorted by expert."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional
+
+from d9d.kernels.grouped_mm import GroupedMm
+from d9d.models.blocks.late_init import init_normal_
+
+
+class GroupedLinear(nn.Module):
+    """One `in -> out` linear map per expert: `weight` is `(E, out, in)`, the `nn.Linear` layout stacked."""
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, *, backend: GroupedMm) -> None:
+        super().__init__()
+        self.backend = backend
+        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
+
+    def forward(self, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+        return self.backend(x, self.weight, group_sizes)
+
+    def extra_repr(self) -> str:
+        experts, out_features, in_features = self.weight.shape
+        return f"experts={experts}, in_features={in_features}, out_features={out_features}"
+
+
+class GroupedSwiGLU(nn.Module):
+    """A SwiGLU per expert over rows sorted by expert (`group_sizes` rows each)."""
+
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, *, backend: GroupedMm, init_std: float = 0.02
+    ) -> None:
+        super().__init__()
+        self.init_std = init_std
+        self.gate_proj = GroupedLinear(num_experts, hidden_size, intermediate_size, backend=backend)
+        self.up_proj = GroupedLinear(num_experts, hidden_size, intermediate_size, backend=backend)
+        self.down_proj = GroupedLinear(num_experts, intermediate_size, hidden_size, backend=backend)
+
+    def set_backend(self, backend: GroupedMm) -> None:
+        for linear in (self.gate_proj, self.up_proj, self.down_proj):
+            linear.backend = backend
+
+    def reset_parameters(self) -> None:
+        for linear in (self.gate_proj, self.up_proj, self.down_proj):
+            init_normal_(linear.weight, self.init_std)
+
+    def forward(self, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+        hidden = functional.silu(self.gate_proj(x, group_sizes)) * self.up_proj(x, group_sizes)
+        out: torch.Tensor = self.down_proj(hidden, group_sizes)
+        return out

@@ -1,0 +1,110 @@
+"""The MoE layer: route, permute, grouped experts, un-permute and combine, plus optional shared experts."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from d9d.kernels.grouped_mm import GroupedMm
+from d9d.models.blocks.ffn import SwiGLU
+from d9d.models.blocks.moe.experts import GroupedSwiGLU
+from d9d.models.blocks.moe.losses import attach_aux_loss, load_balancing_loss, router_z_loss
+from d9d.models.blocks.moe.permute import permute_tokens, unpermute_tokens
+from d9d.models.blocks.moe.router import RouterScoring, TopKRouter
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward pass: an activation-checkpoint recomputation, not a real forward."""
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+class MoELayer(nn.Module):
+    """`x -> sum_k w_k * expert_k(x) (+ shared(x))` over `(batch, seq, hidden)`.
+
+    `tokens_per_expert` (a buffer, not saved) accumulates the routed load of every forward pass until
+    `reset_load()`: log it, or all-reduce it and feed `router.update_expert_bias_`. With `load_balancing_coef` or
+    `z_loss_coef` above zero the auxiliary losses are added to backward (see `attach_aux_loss`); their last values
+    are in `aux_losses` for logging.
+    """
+
+    tokens_per_expert: torch.Tensor
+
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        expert_intermediate_size: int,
+        grouped_mm: GroupedMm,
+        scoring: RouterScoring = RouterScoring.SOFTMAX,
+        normalize_top_k: bool = True,
+        expert_bias: bool = False,
+        shared_intermediate_size: int = 0,
+        load_balancing_coef: float = 0.0,
+        z_loss_coef: float = 0.0,
+        init_std: float = 0.02,
+    ) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.load_balancing_coef, self.z_loss_coef = load_balancing_coef, z_loss_coef
+        self.router = TopKRouter(
+            hidden_size,
+            num_experts,
+            top_k,
+            scoring=scoring,
+            normalize_top_k=normalize_top_k,
+            expert_bias=expert_bias,
+            init_std=init_std,
+        )
+        self.experts = GroupedSwiGLU(
+            num_experts, hidden_size, expert_intermediate_size, backend=grouped_mm, init_std=init_std
+        )
+        self.shared_experts = (
+            SwiGLU(hidden_size, shared_intermediate_size, init_std=init_std) if shared_intermediate_size > 0 else None
+        )
+        self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.float32), persistent=False)
+        self.aux_losses: dict[str, torch.Tensor] = {}
+
+    def reset_parameters(self) -> None:
+        self.router.reset_parameters()
+        self.experts.reset_parameters()
+        if self.shared_experts is not None:
+            self.shared_experts.reset_parameters()
+        self.reset_load()
+
+    def reset_load(self) -> None:
+        with torch.no_grad():
+            self.tokens_per_expert.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        routing = self.router(flat)
+        permuted = permute_tokens(flat, routing.expert_indices, self.num_experts)
+        expert_rows = self.experts(permuted.rows, permuted.group_sizes)
+        out = unpermute_tokens(expert_rows, permuted, routing.expert_weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+        if not _in_backward():
+            with torch.no_grad():
+                self.tokens_per_expert.add_(permuted.group_sizes.float())
+        out = self._add_aux_losses(out, routing.scores, routing.logits, permuted.group_sizes)
+        return out.view(shape)
+
+    def _add_aux_losses(
+        self, out: torch.Tensor, scores: torch.Tensor, logits: torch.Tensor, group_sizes: torch.Tensor
+    ) -> torch.Tensor:
+        terms: dict[str, torch.Tensor] = {}
+        if self.load_balancing_coef > 0:
+            terms["load_balancing"] = load_balancing_loss(scores, group_sizes, self.router.top_k)
+        if self.z_loss_coef > 0:
+            terms["z_loss"] = router_z_loss(logits)
+        if not terms:
+            return out
+        self.aux_losses = {name: value.detach() for name, value in terms.items()}
+        total = self.load_balancing_coef * terms.get("load_balancing", 0.0) + self.z_loss_coef * terms.get(
+            "z_loss", 0.0
+        )
+        assert isinstance(total, torch.Tensor)
+        return attach_aux_loss(out, total) if torch.is_grad_enabled() else out

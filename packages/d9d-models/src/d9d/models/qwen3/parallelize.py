@@ -1,0 +1,104 @@
+"""Parallel plans for the Qwen3 families: data parallelism (replicate, FSDP, HSDP) over a stage's modules.
+
+Modules are found by the roles the models declare (`d9d.models.roles.Role`), never by class: with FSDP/HSDP each
+decoder layer, the embedding and the LM head become their own units (unless the config names its own units), and the
+rest (final norm) joins the root unit. Tensor, context and expert parallelism are not implemented yet: a topology
+asking for them is refused up front rather than silently trained as data parallelism.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from d9d.core.dist import DistributedContext
+from d9d.core.dist.domains import MeshDomain
+from d9d.models.roles import Role
+from d9d.parallel import (
+    AnyDataParallelConfig,
+    FsdpConfig,
+    GradientSync,
+    GradientSynchronizer,
+    HsdpConfig,
+    ReplicateConfig,
+    build_data_parallel,
+    parallelize_replicate,
+)
+from d9d.parallel.config import dtype_from_name
+
+DEFAULT_UNIT_ROLES = [str(Role.DECODER_LAYER), str(Role.EMBEDDING), str(Role.LM_HEAD)]
+
+
+def _refuse_unsupported(ctx: DistributedContext, model_name: str) -> None:
+    degrees = ctx.degrees
+    asked = {name: getattr(degrees, name) for name in ("tp", "cp", "ep") if getattr(degrees, name) > 1}
+    if asked:
+        shown = ", ".join(f"{name}={size}" for name, size in asked.items())
+        raise NotImplementedError(
+            f"{model_name}: {shown} is not supported yet (tensor, context and expert parallelism are planned); "
+            "use pp, dp_replicate and dp_shard only, with tp=cp=ep=1."
+        )
+
+
+def _with_default_units(config: AnyDataParallelConfig) -> AnyDataParallelConfig:
+    if isinstance(config, FsdpConfig | HsdpConfig) and not config.units and not config.unit_roles:
+        return config.model_copy(update={"unit_roles": DEFAULT_UNIT_ROLES})
+    return config
+
+
+class _SyncAfterMaterialize:
+    """The replicate gradient synchroniser, built at the first step instead of at parallelisation.
+
+    `build_data_parallel(ReplicateConfig(), ...)` allocates the synchroniser's gradient buckets beside the
+    parameters; on a meta-device model those buckets would stay on the meta device after `materialize_`. Building
+    it at the first `begin_step` (when the parameters have real storage) keeps the meta-first life cycle.
+    """
+
+    def __init__(self, model: nn.Module, config: ReplicateConfig) -> None:
+        self._model, self._config = model, config
+        self._sync: GradientSync | None = None
+
+    def begin_step(self, num_microbatches: int) -> None:
+        if self._sync is None:
+            if any(param.is_meta for param in self._model.parameters()):
+                raise RuntimeError("materialize_ the model before its first training step")
+            grad_dtype = dtype_from_name(self._config.grad_dtype)
+            self._sync = GradientSynchronizer.for_module(
+                self._model, bucket_size_mb=self._config.bucket_size_mb, grad_dtype=grad_dtype
+            )
+        self._sync.begin_step(num_microbatches)
+
+    def wait(self) -> None:
+        if self._sync is None:
+            raise RuntimeError("wait() without begin_step(num_microbatches)")
+        self._sync.wait()
+
+
+def _parallelize(model: nn.Module, ctx: DistributedContext, config: AnyDataParallelConfig, name: str) -> GradientSync:
+    _refuse_unsupported(ctx, name)
+    mesh = ctx.mesh_for(MeshDomain.DENSE)["dp_replicate", "dp_cp_shard"]
+    if isinstance(config, ReplicateConfig) and any(param.is_meta for param in model.parameters()):
+        mixed_precision = config.mixed_precision.build() if config.mixed_precision else None
+        parallelize_replicate(model, mesh, mixed_precision=mixed_precision)
+        return _SyncAfterMaterialize(model, config)
+    return build_data_parallel(_with_default_units(config), model, mesh)
+
+
+def parallelize_qwen3_dense(model: nn.Module, ctx: DistributedContext, config: AnyDataParallelConfig) -> GradientSync:
+    """Apply `config` to a (stage of a) Qwen3 dense model built on the meta device, before `materialize_`.
+
+    Returns what the training loop drives per step (`begin_step`, `wait`).
+
+    Raises:
+        NotImplementedError: the topology has tp, cp or ep above 1.
+    """
+    return _parallelize(model, ctx, config, "parallelize_qwen3_dense")
+
+
+def parallelize_qwen3_moe(model: nn.Module, ctx: DistributedContext, config: AnyDataParallelConfig) -> GradientSync:
+    """Like `parallelize_qwen3_dense`; experts are data-parallel parameters like any other (sharded along the expert
+    dimension under FSDP) until expert parallelism lands.
+
+    Raises:
+        NotImplementedError: the topology has tp, cp or ep above 1.
+    """
+    return _parallelize(model, ctx, config, "parallelize_qwen3_moe")

@@ -1,0 +1,26 @@
+"""Model tests are single-process except the parallel plans; transformers is a test-only dependency.
+
+The pytest process must stay single-threaded: the forking multi-rank tests (here and in every later test directory)
+refuse to fork while other threads run. transformers' progress bars would start tqdm's monitor thread, so it is
+turned off, and every test here checks that it left no thread behind.
+"""
+
+import os
+import threading
+
+import pytest
+import tqdm
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+tqdm.tqdm.monitor_interval = 0  # no tqdm_monitor thread
+
+import torch._dynamo  # noqa: E402, F401  (warm the parent once: forked ranks would otherwise each import it)
+
+
+@pytest.fixture(autouse=True)
+def _leaves_no_threads():
+    yield
+    others = [thread.name for thread in threading.enumerate() if thread is not threading.main_thread()]
+    assert not others, f"this test left threads running ({others}); later forking tests would refuse to fork"
