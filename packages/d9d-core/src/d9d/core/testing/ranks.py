@@ -56,6 +56,7 @@ def warm_up_distributed() -> None:
 
     Uses the `fake` backend in-process, then destroys the group: the parent must hold no group when it forks.
     """
+    import torch._dynamo  # constructing any torch optimizer imports it (~6 s), which every rank would pay again
     import torch.distributed.fsdp
     import torch.distributed.tensor as dtensor
     from torch.testing._internal.distributed.fake_pg import FakeStore
