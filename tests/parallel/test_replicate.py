@@ -141,3 +141,26 @@ def test_replicating_twice_names_the_parameter():
     parallelize_replicate(model, _mesh())
     with pytest.raises(ValueError, match=r"parameter '0.weight' is already a DTensor"):
         parallelize_replicate(model, _mesh())
+
+
+@pytest.mark.distributed(world_size=2)
+def test_replicate_config_on_a_meta_model_allocates_buckets_at_the_first_step():
+    from d9d.parallel import DeferredGradientSynchronizer, ReplicateConfig, build_data_parallel
+
+    with torch.device("meta"):
+        model = nn.Linear(4, 3)
+    sync = build_data_parallel(ReplicateConfig(), model, _mesh())
+    assert isinstance(sync, DeferredGradientSynchronizer) and sync.synchronizer is None
+    with pytest.raises(RuntimeError, match=r"still on the meta device at the first training step"):
+        sync.begin_step(1)
+    model.to_empty(device="cpu")
+    torch.manual_seed(5)
+    model.reset_parameters()
+    sync.begin_step(1)
+    rank = dist.get_rank()
+    model(torch.full((2, 4), float(rank + 1))).sum().backward()
+    sync.wait()
+    buffers = {bucket.buffer.device.type for bucket in sync.synchronizer.buckets}
+    assert buffers == {"cpu"}
+    # the synchronised gradient is the sum over both ranks' inputs (1s and 2s): 2*(1+2) per weight element
+    torch.testing.assert_close(model.weight.grad.full_tensor(), torch.full((3, 4), 6.0))

@@ -14,7 +14,7 @@ from d9d.parallel.config import (
 )
 from d9d.parallel.fully_sharded import parallelize_fsdp, parallelize_hsdp, use_sum_reduction
 from d9d.parallel.grad_norm import clip_grad_norm_, total_grad_norm
-from d9d.parallel.grad_sync import GradientSynchronizer
+from d9d.parallel.grad_sync import DeferredGradientSynchronizer, GradientSynchronizer
 from d9d.parallel.mixed_precision import BF16_COMPUTE_FP32_REDUCE, MixedPrecision
 from d9d.parallel.plan import ByName, ByRole, ModuleSelector, assign_role, roles_of, select_modules
 from d9d.parallel.replicate import ReplicateHandle, parallelize_replicate, replicated_parameters
@@ -25,6 +25,7 @@ __all__ = [
     "AnyDataParallelConfig",
     "ByName",
     "ByRole",
+    "DeferredGradientSynchronizer",
     "FsdpConfig",
     "GradientSync",
     "GradientSynchronizer",

@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from d9d.parallel.fully_sharded import parallelize_fsdp, parallelize_hsdp
-from d9d.parallel.grad_sync import DEFAULT_BUCKET_SIZE_MB, GradientSynchronizer
+from d9d.parallel.grad_sync import DEFAULT_BUCKET_SIZE_MB, DeferredGradientSynchronizer, GradientSynchronizer
 from d9d.parallel.mixed_precision import MixedPrecision
 from d9d.parallel.plan import ByName, ByRole, ModuleSelector, select_modules
 from d9d.parallel.replicate import parallelize_replicate
@@ -90,9 +90,11 @@ def build_data_parallel(config: AnyDataParallelConfig, module: nn.Module, mesh: 
     match config:
         case ReplicateConfig():
             parallelize_replicate(module, mesh, mixed_precision=_mixed_precision(config))
-            return GradientSynchronizer.for_module(
-                module, bucket_size_mb=config.bucket_size_mb, grad_dtype=dtype_from_name(config.grad_dtype)
-            )
+            bucket_size_mb, grad_dtype = config.bucket_size_mb, dtype_from_name(config.grad_dtype)
+            if any(param.is_meta for param in module.parameters()):
+                # built on meta and materialised later: buckets must be allocated beside the real storage
+                return DeferredGradientSynchronizer(module, bucket_size_mb=bucket_size_mb, grad_dtype=grad_dtype)
+            return GradientSynchronizer.for_module(module, bucket_size_mb=bucket_size_mb, grad_dtype=grad_dtype)
         case FsdpConfig():
             _require_dim(mesh, config.shard_dim, "fsdp")
             others = {name: mesh[name].size() for name in mesh.mesh_dim_names or () if name != config.shard_dim}

@@ -13,17 +13,7 @@ from torch import nn
 from d9d.core.dist import DistributedContext
 from d9d.core.dist.domains import MeshDomain
 from d9d.models.roles import Role
-from d9d.parallel import (
-    AnyDataParallelConfig,
-    FsdpConfig,
-    GradientSync,
-    GradientSynchronizer,
-    HsdpConfig,
-    ReplicateConfig,
-    build_data_parallel,
-    parallelize_replicate,
-)
-from d9d.parallel.config import dtype_from_name
+from d9d.parallel import AnyDataParallelConfig, FsdpConfig, GradientSync, HsdpConfig, build_data_parallel
 
 DEFAULT_UNIT_ROLES = [str(Role.DECODER_LAYER), str(Role.EMBEDDING), str(Role.LM_HEAD)]
 
@@ -45,41 +35,10 @@ def _with_default_units(config: AnyDataParallelConfig) -> AnyDataParallelConfig:
     return config
 
 
-class _SyncAfterMaterialize:
-    """The replicate gradient synchroniser, built at the first step instead of at parallelisation.
-
-    `build_data_parallel(ReplicateConfig(), ...)` allocates the synchroniser's gradient buckets beside the
-    parameters; on a meta-device model those buckets would stay on the meta device after `materialize_`. Building
-    it at the first `begin_step` (when the parameters have real storage) keeps the meta-first life cycle.
-    """
-
-    def __init__(self, model: nn.Module, config: ReplicateConfig) -> None:
-        self._model, self._config = model, config
-        self._sync: GradientSync | None = None
-
-    def begin_step(self, num_microbatches: int) -> None:
-        if self._sync is None:
-            if any(param.is_meta for param in self._model.parameters()):
-                raise RuntimeError("materialize_ the model before its first training step")
-            grad_dtype = dtype_from_name(self._config.grad_dtype)
-            self._sync = GradientSynchronizer.for_module(
-                self._model, bucket_size_mb=self._config.bucket_size_mb, grad_dtype=grad_dtype
-            )
-        self._sync.begin_step(num_microbatches)
-
-    def wait(self) -> None:
-        if self._sync is None:
-            raise RuntimeError("wait() without begin_step(num_microbatches)")
-        self._sync.wait()
-
-
 def _parallelize(model: nn.Module, ctx: DistributedContext, config: AnyDataParallelConfig, name: str) -> GradientSync:
     _refuse_unsupported(ctx, name)
     mesh = ctx.mesh_for(MeshDomain.DENSE)["dp_replicate", "dp_cp_shard"]
-    if isinstance(config, ReplicateConfig) and any(param.is_meta for param in model.parameters()):
-        mixed_precision = config.mixed_precision.build() if config.mixed_precision else None
-        parallelize_replicate(model, mesh, mixed_precision=mixed_precision)
-        return _SyncAfterMaterialize(model, config)
+    # On a meta-device model, replicate returns a synchroniser that allocates its buckets at the first step.
     return build_data_parallel(_with_default_units(config), model, mesh)
 
 
