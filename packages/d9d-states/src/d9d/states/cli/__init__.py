@@ -1,0 +1,1 @@
+"""The `d9d-states` command line."""

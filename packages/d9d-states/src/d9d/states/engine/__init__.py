@@ -1,0 +1,1 @@
+"""Plans and their execution: ordering, splitting across ranks, streaming, staged publication."""

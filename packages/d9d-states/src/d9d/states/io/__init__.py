@@ -1,0 +1,1 @@
+"""Files on disk: safetensors headers, readers and writers, the HF index, checkpoint sources."""

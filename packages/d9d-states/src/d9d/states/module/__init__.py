@@ -1,0 +1,1 @@
+"""Loading into and saving from modules (DTensor-aware)."""
