@@ -7,16 +7,12 @@ from torch import nn
 
 from d9d.kernels.attention import AttentionBackend, AttentionMask, build_attention_backend
 from d9d.models.blocks.attention import GroupedQueryAttention
-from d9d.models.blocks.checkpointing import run_layer, set_activation_checkpointing
-from d9d.models.blocks.embedding import SplitTokenEmbedding
+from d9d.models.blocks.decoder import DecoderBackbone, DecoderForCausalLM
 from d9d.models.blocks.ffn import SwiGLU
-from d9d.models.blocks.head import SplitLanguageModellingHead
-from d9d.models.blocks.inputs import CausalLMOutput, causal_mask, resolve_positions
 from d9d.models.blocks.norm import RMSNorm
 from d9d.models.blocks.rope import RopeTables, RotaryEmbedding
 from d9d.models.config import DecoderConfig
 from d9d.models.qwen3.params import Qwen3DenseParameters
-from d9d.models.roles import Role, with_role
 from d9d.models.stage import SINGLE_STAGE, PipelineStage
 
 
@@ -60,8 +56,8 @@ class Qwen3DenseLayer(nn.Module):
         return out
 
 
-class Qwen3DenseModel(nn.Module):
-    """The backbone: embedding (first stage), this stage's layers, final norm (last stage)."""
+class Qwen3DenseModel(DecoderBackbone):
+    """The backbone: embedding (first stage), this stage's Qwen3 dense layers, final norm (last stage)."""
 
     def __init__(
         self,
@@ -70,58 +66,21 @@ class Qwen3DenseModel(nn.Module):
         config: DecoderConfig | None = None,
         stage: PipelineStage = SINGLE_STAGE,
     ) -> None:
-        super().__init__()
         config = config or DecoderConfig()
-        self.params, self.stage = params, stage
         attention = build_attention_backend(config.attention)
-        self.embed_tokens = (
-            with_role(
-                SplitTokenEmbedding(params.segments(), params.hidden_size, init_std=params.init_std), Role.EMBEDDING
-            )
-            if stage.is_first
-            else None
+        super().__init__(
+            params,
+            config=config,
+            stage=stage,
+            rotary=build_rotary(params),
+            build_layer=lambda _index: Qwen3DenseLayer(params, attention),
         )
-        self.rotary_emb = build_rotary(params)
-        self.layers = nn.ModuleDict()
-        for index in stage.layers(params.num_layers):
-            layer = with_role(Qwen3DenseLayer(params, attention), Role.DECODER_LAYER)
-            set_activation_checkpointing(layer, config.checkpoints_layer(index))
-            self.layers[str(index)] = layer
-        self.norm = RMSNorm(params.hidden_size, eps=params.rms_norm_eps) if stage.is_last else None
-
-    def forward(
-        self,
-        input_ids: torch.Tensor | None = None,
-        *,
-        hidden_states: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        document_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """`input_ids` on the first stage, else the previous stage's `hidden_states`; `(batch, seq, hidden)` out."""
-        if self.embed_tokens is not None:
-            if input_ids is None:
-                raise ValueError("the first stage needs input_ids")
-            hidden: torch.Tensor = self.embed_tokens(input_ids)
-        elif hidden_states is not None:
-            hidden = hidden_states
-        else:
-            raise ValueError(
-                f"stage {self.stage.index} of {self.stage.count} needs hidden_states from the previous stage"
-            )
-        batch, seq = hidden.shape[:2]
-        positions = resolve_positions(batch, seq, hidden.device, position_ids, document_ids)
-        rope = self.rotary_emb(positions, hidden.dtype)
-        mask = causal_mask(document_ids)
-        for layer in self.layers.values():
-            hidden = run_layer(layer, hidden, rope, mask)
-        if self.norm is not None:
-            normed: torch.Tensor = self.norm(hidden)
-            return normed
-        return hidden
 
 
-class Qwen3DenseForCausalLM(nn.Module):
-    """Backbone plus the LM head (last stage). Returns per-token losses when given labels, else logits."""
+class Qwen3DenseForCausalLM(DecoderForCausalLM):
+    """Qwen3 dense backbone plus the LM head (last stage). Per-token losses when given labels, else logits."""
+
+    model: Qwen3DenseModel
 
     def __init__(
         self,
@@ -130,38 +89,5 @@ class Qwen3DenseForCausalLM(nn.Module):
         config: DecoderConfig | None = None,
         stage: PipelineStage = SINGLE_STAGE,
     ) -> None:
-        super().__init__()
         config = config or DecoderConfig()
-        self.model = Qwen3DenseModel(params, config=config, stage=stage)
-        self.lm_head = (
-            with_role(
-                SplitLanguageModellingHead(
-                    params.segments(),
-                    params.hidden_size,
-                    init_std=params.init_std,
-                    loss_chunk_size=config.loss_chunk_size,
-                ),
-                Role.LM_HEAD,
-            )
-            if stage.is_last
-            else None
-        )
-
-    def forward(
-        self,
-        input_ids: torch.Tensor | None = None,
-        *,
-        hidden_states: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        document_ids: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
-    ) -> CausalLMOutput:
-        """`labels[b, t]` is the target of position `t` (already shifted), -100 for none."""
-        hidden = self.model(
-            input_ids, hidden_states=hidden_states, position_ids=position_ids, document_ids=document_ids
-        )
-        if self.lm_head is None:
-            return CausalLMOutput(hidden_states=hidden)
-        if labels is not None:
-            return CausalLMOutput(losses=self.lm_head(hidden, labels))
-        return CausalLMOutput(logits=self.lm_head.logits(hidden))
+        super().__init__(Qwen3DenseModel(params, config=config, stage=stage), params, config=config, stage=stage)
