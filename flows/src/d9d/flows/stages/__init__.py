@@ -1,0 +1,29 @@
+"""One Prefect flow per stage, keyed by the stage names of `d9d.flows.jobs.stage_names`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from prefect import Flow
+
+from d9d.flows.jobs.config import JobConfig
+from d9d.flows.jobs.stage_names import PIPELINE, STAGE_SECTIONS
+from d9d.flows.stages.data_prep import data_prep_flow
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stage:
+    name: str
+    flow: Flow[[dict[str, Any]], dict[str, Any]]
+
+    def with_retries(self, config: JobConfig) -> Flow[[dict[str, Any]], dict[str, Any]]:
+        """The stage's flow with the retries its config section asks for."""
+        section = getattr(config, STAGE_SECTIONS[self.name])
+        return self.flow.with_options(retries=section.retries, retry_delay_seconds=section.retry_delay_seconds)
+
+
+STAGES: dict[str, Stage] = {"data-prep": Stage(name="data-prep", flow=data_prep_flow)}
+assert set(STAGES) == set(STAGE_SECTIONS), "every stage name needs a flow"
+
+__all__ = ["PIPELINE", "STAGES", "Stage"]

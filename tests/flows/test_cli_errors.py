@@ -1,0 +1,87 @@
+"""Bad input to `d9d run` fails at once (before Prefect starts), naming what is wrong and how to fix it."""
+
+import sys
+
+import pytest
+import yaml
+from flows_corpora import small_job
+
+from d9d.flows.cli import EXIT_BAD_INPUT, main
+from d9d.flows.jobs.config import JobConfig
+from d9d.flows.jobs.data_prep import prepare_data
+
+
+def _error(capsys, argv):
+    assert main(argv) == EXIT_BAD_INPUT
+    return capsys.readouterr().err
+
+
+@pytest.fixture(autouse=True)
+def _prefect_stays_unimported():
+    was_imported = "prefect" in sys.modules
+    yield
+    if not was_imported:
+        assert "prefect" not in sys.modules, "bad input must be reported before Prefect is imported"
+
+
+def test_unknown_set_key(capsys):
+    err = _error(capsys, ["run", "pipeline", "--preset", "micro", "--set", "data_prep.tokeniser.kind=file"])
+    assert "d9d: error: unknown --set key 'data_prep.tokeniser.kind'" in err
+    assert "valid fields: corpus, tokenizer" in err
+
+
+def test_missing_corpus_path(capsys, tmp_path):
+    err = _error(
+        capsys,
+        [
+            "run",
+            "data-prep",
+            "--preset",
+            "micro",
+            "--set",
+            "data_prep.corpus.kind=files",
+            "--set",
+            f"data_prep.corpus.paths=[{tmp_path}/missing.txt]",
+        ],
+    )
+    assert f"data_prep.corpus.paths.0 = {tmp_path}/missing.txt: no such file or directory" in err
+
+
+def test_unreadable_corpus_file(capsys, tmp_path):
+    (tmp_path / "rows.parquet").write_bytes(b"PAR1 garbage")
+    err = _error(
+        capsys,
+        [
+            "run",
+            "data-prep",
+            "--set",
+            "data_prep.corpus.kind=files",
+            "--set",
+            f"data_prep.corpus.paths=[{tmp_path / 'rows.parquet'}]",
+        ],
+    )
+    assert f"corpus file {tmp_path / 'rows.parquet'} is not a readable parquet file" in err
+
+
+def test_missing_config_file(capsys, tmp_path):
+    err = _error(capsys, ["run", "data-prep", "--config", str(tmp_path / "job.yaml")])
+    assert f"config file {tmp_path / 'job.yaml'} does not exist" in err
+
+
+def test_tokenizer_mismatch_with_an_existing_shard_set(capsys, tmp_path, corpus_dir):
+    job = small_job(tmp_path, corpus_dir)
+    config = JobConfig.model_validate(job).resolved(tmp_path)
+    prepare_data(config.data_prep, config.data_prep_output)
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump(job), encoding="utf-8")
+    err = _error(capsys, ["run", "data-prep", "--config", str(job_file), "--set", "data_prep.tokenizer.vocab_size=400"])
+    assert f"tokenizer mismatch with the existing shard set at {config.data_prep_output}" in err
+    assert "--set data_prep.allow_tokenizer_change=true" in err
+
+
+def test_show_config_prints_the_resolved_job(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["show-config", "--preset", "tiny", "--set", "data_prep.workers=1"]) == 0
+    out = capsys.readouterr().out
+    assert f"workdir: {tmp_path}/runs/tiny" in out
+    assert "workers: 1" in out

@@ -1,0 +1,60 @@
+"""The convert stage (no Prefect): named mappings from `d9d.models.catalogue`, the random embedded source, the
+stage contract (skip when the manifest matches, rerun when the mapping or the source changes), `d9d convert`."""
+
+import json
+
+import torch
+
+from d9d.flows.cli import main
+from d9d.flows.jobs.contract import StageManifest
+from d9d.flows.jobs.convert import ConvertConfig, convert_model
+from d9d.models import materialize_
+from d9d.models.qwen3 import Qwen3MoeForCausalLM, Qwen3MoeParameters
+from d9d.states import load_model_state
+from d9d.states.io.source import CheckpointSource
+
+
+def test_embedded_default_converts_a_random_hf_checkpoint_and_then_skips(tmp_path):
+    output = tmp_path / "model"
+    first = convert_model(ConvertConfig(), output)
+    assert first.status == "ran"
+    checkpoint = output / "checkpoint"
+    params = Qwen3MoeParameters.model_validate_json((checkpoint / "parameters.json").read_text())
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(params)
+    materialize_(model, "cpu").to(torch.bfloat16)  # the embedded source is stored in bf16
+    load_model_state(checkpoint, model)  # d9d layout: every tensor of the model, nothing else
+    manifest = StageManifest.read(output)
+    assert manifest.statistics["mapping"] == "qwen3-moe-hf-to-d9d"
+    assert {entry.name for entry in manifest.inputs} >= {"config.json", "model.safetensors"}
+    again = convert_model(ConvertConfig(), output)
+    assert again.status == "skipped"
+
+
+def test_a_different_mapping_makes_the_output_stale(tmp_path):
+    output = tmp_path / "model"
+    convert_model(ConvertConfig(), output)
+    fused = convert_model(ConvertConfig(mapping="qwen3-moe-hf-to-d9d", max_shard_bytes=2**20), output)
+    assert fused.status == "ran"
+    assert "config changed (max_shard_bytes)" in fused.reason
+
+
+def test_cli_lists_and_runs_named_mappings(tmp_path, capsys):
+    assert main(["convert", "--list"]) == 0
+    listing = capsys.readouterr().out
+    assert "qwen3-hf-to-d9d" in listing and "qwen3-moe-d9d-to-hf" in listing
+    convert_model(ConvertConfig(), tmp_path / "model")
+    source = tmp_path / "model" / "checkpoint"
+    assert main(["convert", "--mapping", "qwen3-moe-d9d-to-hf", str(source), str(tmp_path / "hf")]) == 0
+    assert "wrote" in capsys.readouterr().out
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["model_type"] == "qwen3_moe"
+    original = CheckpointSource.open(tmp_path / "model-random-hf-source").metas()
+    assert CheckpointSource.open(tmp_path / "hf").metas() == original
+
+
+def test_cli_reports_bad_mappings_and_missing_arguments(tmp_path, capsys):
+    assert main(["convert", "--mapping", "llama", str(tmp_path), str(tmp_path / "out")]) == 2
+    assert "no mapping named 'llama'" in capsys.readouterr().err
+    assert main(["convert", "--mapping", "qwen3-hf-to-d9d"]) == 2
+    assert "convert needs --mapping NAME SRC DST" in capsys.readouterr().err

@@ -1,0 +1,111 @@
+"""The stage flows against a real Prefect API: the embedded local one, started once for the whole session.
+
+These run in the `isolated` pytest invocation: Prefect starts threads, and the forking multi-rank tests refuse to
+fork while other threads run.
+"""
+
+import json
+import shutil
+
+import pytest
+import yaml
+from flows_corpora import small_job
+
+from d9d.flows.cli import EXIT_FAILED, main
+from d9d.flows.jobs.contract import StageManifest
+from d9d.flows.jobs.faults import FAULT_ENV
+
+pytestmark = pytest.mark.isolated
+
+
+def _flow_runs(workdir, name="data-prep"):
+    """The runs of flow `name` that the Prefect API recorded for jobs under `workdir`, oldest first."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(
+            flow_filter=FlowFilter(name=FlowFilterName(any_=[name])), sort=FlowRunSort.START_TIME_ASC
+        )
+    return [run for run in runs if run.parameters["job"]["workdir"] == str(workdir)]
+
+
+def test_pipeline_runs_then_skips_then_redoes_what_was_deleted(prefect_api, tmp_path, capsys):
+    argv = ["run", "pipeline", "--preset", "micro", "--set", f"workdir={tmp_path}"]
+    output = tmp_path / "data"
+
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "data-prep: ran" in out
+    for path in (output, output / "tokenizer.json", output / "train", output / "validation", output / "manifest.json"):
+        assert str(path) in out
+    created = StageManifest.read(output).created_at
+    shard_times = {path: path.stat().st_mtime_ns for path in output.rglob("*.d9dtok")}
+
+    assert main(argv) == 0
+    assert "data-prep: skipped (up to date: manifest matches config and inputs)" in capsys.readouterr().out
+    assert StageManifest.read(output).created_at == created
+    assert {path: path.stat().st_mtime_ns for path in output.rglob("*.d9dtok")} == shard_times
+
+    shutil.rmtree(output / "validation")  # a partial output: never taken as complete
+    assert main(argv) == 0
+    assert "data-prep: ran (" in capsys.readouterr().out
+    assert (output / "validation" / "index.json").is_file()
+
+    shutil.rmtree(output)
+    assert main(argv) == 0
+    assert f"data-prep: ran ({output} does not exist)" in capsys.readouterr().out
+
+    runs = _flow_runs(tmp_path)
+    assert [run.state_type.value for run in runs] == ["COMPLETED"] * 4
+    assert len(_flow_runs(tmp_path, name="pipeline")) == 4
+
+
+def test_failed_run_then_fixed_completes_without_redoing_finished_work(prefect_api, tmp_path, capsys, monkeypatch):
+    argv = ["run", "pipeline", "--preset", "micro", "--set", f"workdir={tmp_path}", "--set", "data_prep.retries=0"]
+    monkeypatch.setenv(FAULT_ENV, "data_prep.items:2")  # fail after two of the four units are tokenized
+    assert main(argv) == EXIT_FAILED
+    err = capsys.readouterr().err
+    assert "injected failure at data_prep.items" in err
+    assert "run the same command to continue" in err
+    partial = tmp_path / ".data.partial"
+    pieces = [json.loads(path.read_text()) for path in (partial / ".pieces").glob("*.json")]
+    finished = {file["name"]: (partial / file["name"]).stat().st_mtime_ns for p in pieces for file in p["files"]}
+    assert "tokenizer.json" in finished
+    assert len(pieces) >= 3  # the tokenizer and at least the two units before the failure
+    assert not (tmp_path / "data").exists()
+
+    monkeypatch.delenv(FAULT_ENV)  # the fix
+    assert main(argv) == 0
+    assert "data-prep: ran" in capsys.readouterr().out
+    output = tmp_path / "data"
+    statistics = StageManifest.read(output).statistics
+    assert statistics["tokenizer"]["reused"] is True
+    assert statistics["tokenization"]["units_reused"] == len(pieces) - 1
+    for name, mtime in finished.items():
+        assert (output / name).stat().st_mtime_ns == mtime, f"{name} was redone"
+    assert [run.state_type.value for run in _flow_runs(tmp_path)] == ["FAILED", "COMPLETED"]
+
+
+def test_failed_stage_is_retried_as_configured_and_the_retry_keeps_finished_work(
+    prefect_api, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setenv(FAULT_ENV, "data_prep.items:1:1")  # fail once, after the first unit
+    argv = ["run", "data-prep", "--preset", "micro", "--set", f"workdir={tmp_path}", "--set", "data_prep.retries=1"]
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert StageManifest.read(tmp_path / "data").statistics["tokenization"]["units_reused"] >= 1
+    (run,) = _flow_runs(tmp_path)
+    assert run.state_type.value == "COMPLETED"
+    assert run.run_count == 2
+
+
+def test_stage_runs_from_a_job_file_with_overrides(prefect_api, tmp_path, capsys, corpus_dir):
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump(small_job(tmp_path, corpus_dir)), encoding="utf-8")
+    assert main(["run", "data-prep", "--config", str(job_file), "--set", "data_prep.seed=3"]) == 0
+    assert "data-prep: ran" in capsys.readouterr().out
+    assert main(["run", "data-prep", "--config", str(job_file), "--set", "data_prep.seed=4"]) == 0
+    assert "data-prep: ran (config changed (seed))" in capsys.readouterr().out
+    assert StageManifest.read(tmp_path / "run" / "data").statistics["documents"] == 10

@@ -1,0 +1,154 @@
+"""The stage contract: a manifest, not an orchestrator's cache, decides whether a stage's output is complete."""
+
+import json
+import os
+import threading
+
+import pytest
+
+from d9d.flows.jobs.contract import (
+    FileFingerprint,
+    StageBusyError,
+    StageDirectory,
+    StageKey,
+    StageManifest,
+    Status,
+)
+
+
+def _key(config=None, inputs=None):
+    return StageKey(
+        stage="demo",
+        stage_version=1,
+        config=config or {"size": 1},
+        inputs=inputs or (FileFingerprint(name="in.txt", size=3, sha256="a" * 64),),
+    )
+
+
+def _complete(tmp_path, key=None, files=None):
+    directory = StageDirectory(tmp_path / "out")
+    partial = directory.open_partial()
+    files = files or {"a.bin": b"alpha", "sub/b.bin": b"beta"}
+    for name, data in files.items():
+        (partial.root / name).parent.mkdir(parents=True, exist_ok=True)
+        (partial.root / name).write_bytes(data)
+    directory.commit(
+        partial, key or _key(), outputs=list(files), packages={"x": "1"}, statistics={"n": 2}, created_at="now"
+    )
+    return directory
+
+
+def test_missing_output_is_not_complete(tmp_path):
+    assert StageDirectory(tmp_path / "out").check(_key()).status is Status.MISSING
+
+
+def test_committed_output_is_complete_and_the_partial_directory_is_gone(tmp_path):
+    directory = _complete(tmp_path)
+    completeness = directory.check(_key())
+    assert completeness.complete, completeness.reason
+    assert not directory.partial.exists()
+    manifest = StageManifest.read(directory.target)
+    assert [output.name for output in manifest.outputs] == ["a.bin", "sub/b.bin"]
+    assert manifest.statistics == {"n": 2}
+    assert manifest.packages == {"x": "1"}
+    assert directory.verify_checksums() == []
+
+
+def test_directory_without_manifest_is_incomplete(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "a.bin").write_bytes(b"alpha")
+    completeness = StageDirectory(tmp_path / "out").check(_key())
+    assert completeness.status is Status.INCOMPLETE
+    assert "manifest" in completeness.reason
+
+
+def test_deleted_or_truncated_output_file_makes_it_incomplete(tmp_path):
+    directory = _complete(tmp_path)
+    (directory.target / "sub" / "b.bin").write_bytes(b"bet")
+    completeness = directory.check(_key())
+    assert completeness.status is Status.INCOMPLETE
+    assert "b.bin has 3 bytes, the manifest records 4" in completeness.reason
+    (directory.target / "a.bin").unlink()
+    assert "a.bin is missing" in directory.check(_key()).reason
+
+
+def test_same_size_damage_is_found_by_the_checksum_check(tmp_path):
+    directory = _complete(tmp_path)
+    (directory.target / "a.bin").write_bytes(b"ALPHA")
+    assert directory.check(_key()).complete  # sizes match: the fast check cannot tell
+    assert directory.verify_checksums() == ["a.bin"]
+
+
+def test_changed_config_or_inputs_make_it_stale_and_say_what_changed(tmp_path):
+    directory = _complete(tmp_path)
+    stale = directory.check(_key(config={"size": 2}))
+    assert stale.status is Status.STALE
+    assert "config changed (size)" in stale.reason
+    changed_input = (FileFingerprint(name="in.txt", size=3, sha256="b" * 64),)
+    assert "inputs changed (in.txt)" in directory.check(_key(inputs=changed_input)).reason
+
+
+def test_commit_prunes_unlisted_files_and_replaces_the_old_output(tmp_path):
+    directory = _complete(tmp_path)
+    partial = directory.open_partial()
+    (partial.root / "keep.bin").write_bytes(b"new")
+    (partial.root / "scratch").mkdir()
+    (partial.root / "scratch" / "tmp.bin").write_bytes(b"junk")
+    key = _key(config={"size": 2})
+    directory.commit(partial, key, outputs=["keep.bin"], packages={}, statistics={}, created_at="now")
+    assert sorted(p.name for p in directory.target.rglob("*")) == ["keep.bin", "manifest.json"]
+    assert directory.check(key).complete
+    assert not any(p.name.endswith(".replaced") for p in tmp_path.iterdir())
+
+
+def test_commit_refuses_a_listed_output_that_was_not_written(tmp_path):
+    directory = StageDirectory(tmp_path / "out")
+    partial = directory.open_partial()
+    with pytest.raises(FileNotFoundError, match=r"missing\.bin was not written"):
+        directory.commit(partial, _key(), outputs=["missing.bin"], packages={}, statistics={}, created_at="")
+    assert not directory.target.exists()
+
+
+def test_pieces_are_reused_only_for_their_key_and_while_their_files_are_intact(tmp_path):
+    directory = StageDirectory(tmp_path / "out")
+    partial = directory.open_partial()
+    (partial.root / "part.bin").write_bytes(b"12345")
+    partial.record("unit-0", "key-1", ["part.bin"], {"tokens": 5})
+    again = directory.open_partial()  # a later attempt
+    piece = again.find("unit-0", "key-1")
+    assert piece is not None
+    assert piece.data == {"tokens": 5}
+    assert again.find("unit-0", "key-2") is None
+    (partial.root / "part.bin").write_bytes(b"123")
+    assert again.find("unit-0", "key-1") is None
+    assert again.find("unit-9", "key-1") is None
+
+
+def test_piece_record_is_json_with_sizes_and_checksums(tmp_path):
+    partial = StageDirectory(tmp_path / "out").open_partial()
+    (partial.root / "p.bin").write_bytes(b"x")
+    partial.record("p", "k", ["p.bin"], {})
+    raw = json.loads((partial.root / ".pieces" / "p.json").read_text())
+    assert raw["files"][0]["size"] == 1
+    assert len(raw["files"][0]["sha256"]) == 64
+
+
+def test_a_second_writer_of_the_same_stage_is_refused(tmp_path):
+    directory = StageDirectory(tmp_path / "out")
+    with directory.lock():
+        read_end, write_end = os.pipe()
+        pid = os.fork() if threading.active_count() == 1 else None
+        if pid == 0:  # another process trying to write the same stage
+            try:
+                with StageDirectory(tmp_path / "out").lock():
+                    os.write(write_end, b"acquired")
+            except StageBusyError as error:
+                os.write(write_end, str(error).encode())
+            os._exit(0)
+        if pid is None:
+            pytest.skip("cannot fork with other threads running")
+        os.waitpid(pid, 0)
+        message = os.read(read_end, 1000).decode()
+    assert "is being written by pid" in message
+    with directory.lock():  # released
+        pass
