@@ -38,13 +38,17 @@ def test_pipeline_runs_then_skips_then_redoes_what_was_deleted(prefect_api, tmp_
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "data-prep: ran" in out
+    assert "convert: ran" in out  # the pipeline's second stage: a random tiny HF checkpoint through a named mapping
+    assert StageManifest.read(tmp_path / "model").created_at
     for path in (output, output / "tokenizer.json", output / "train", output / "validation", output / "manifest.json"):
         assert str(path) in out
     created = StageManifest.read(output).created_at
     shard_times = {path: path.stat().st_mtime_ns for path in output.rglob("*.d9dtok")}
 
     assert main(argv) == 0
-    assert "data-prep: skipped (up to date: manifest matches config and inputs)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "data-prep: skipped (up to date: manifest matches config and inputs)" in out
+    assert "convert: skipped" in out
     assert StageManifest.read(output).created_at == created
     assert {path: path.stat().st_mtime_ns for path in output.rglob("*.d9dtok")} == shard_times
 

@@ -87,6 +87,13 @@ def _preflight(config: JobConfig, stages: Sequence[str]) -> None:
         match stage:
             case "data-prep":
                 preflight(config.data_prep, config.data_prep_output)
+            case "convert":
+                source = config.convert.source
+                if source is not None and not source.is_dir():
+                    raise JobConfigError(
+                        f"convert.source={source} is not a checkpoint directory; point it at a directory of "
+                        "*.safetensors files, or leave it unset to convert a random tiny Qwen3-MoE."
+                    )
             case _:
                 raise AssertionError(f"stage {stage!r} has no preflight")
 

@@ -9,6 +9,7 @@ from prefect import Flow
 
 from d9d.flows.jobs.config import JobConfig
 from d9d.flows.jobs.stage_names import PIPELINE, STAGE_SECTIONS
+from d9d.flows.stages.convert import convert_flow
 from d9d.flows.stages.data_prep import data_prep_flow
 
 
@@ -23,7 +24,10 @@ class Stage:
         return self.flow.with_options(retries=section.retries, retry_delay_seconds=section.retry_delay_seconds)
 
 
-STAGES: dict[str, Stage] = {"data-prep": Stage(name="data-prep", flow=data_prep_flow)}
+STAGES: dict[str, Stage] = {
+    "data-prep": Stage(name="data-prep", flow=data_prep_flow),
+    "convert": Stage(name="convert", flow=convert_flow),
+}
 assert set(STAGES) == set(STAGE_SECTIONS), "every stage name needs a flow"
 
 __all__ = ["PIPELINE", "STAGES", "Stage"]
