@@ -44,18 +44,23 @@ def _warm_up_once() -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     marker = pyfuncitem.get_closest_marker("distributed")
-    if marker is None:
-        return None
-    _warm_up_once()
     arguments: dict[str, Any] = {
         name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames if name in pyfuncitem.funcargs
     }
+    function = pyfuncitem.obj
+    if marker is None:
+        if pyfuncitem.get_closest_marker("gpu") is None:
+            return None
+        # A GPU test runs in a forked child so CUDA is never initialised in the pytest process: later tests can
+        # then still fork ranks that use CUDA themselves.
+        run_on_ranks(1, lambda: function(**arguments), init_process_group=False, timeout_seconds=600)
+        return True
+    _warm_up_once()
     world_size = marker.kwargs.get("world_size", marker.args[0] if marker.args else arguments.get("world_size"))
     if not isinstance(world_size, int):
         raise pytest.UsageError(
             f"{pyfuncitem.nodeid}: @pytest.mark.distributed needs world_size=N or a `world_size` test parameter"
         )
-    function = pyfuncitem.obj
     run_on_ranks(
         world_size,
         lambda: function(**arguments),
