@@ -1,6 +1,6 @@
 """Job checkpoints: DCP folders with a completion marker, newest-complete resume, safe retention."""
 
-from d9d.core.checkpoint.checkpointer import JobCheckpointer, ModelAndOptimizer
+from d9d.core.checkpoint.checkpointer import JobCheckpointer, ModelAndOptimizer, load_model_weights
 from d9d.core.checkpoint.layout import MARKER, checkpoint_dir, is_complete, latest_complete, list_checkpoints, prune
 from d9d.core.checkpoint.rng import capture_rng_state, restore_rng_state
 
@@ -13,6 +13,7 @@ __all__ = [
     "is_complete",
     "latest_complete",
     "list_checkpoints",
+    "load_model_weights",
     "prune",
     "restore_rng_state",
 ]

@@ -15,7 +15,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.stateful import Stateful
@@ -77,6 +82,13 @@ class JobCheckpointer:
         if rng_file.is_file():
             # The job's own trusted artifact (NumPy's RNG state is not a weights-only type).
             restore_rng_state(torch.load(rng_file, weights_only=False))
+
+
+def load_model_weights(path: Path, model: nn.Module) -> None:
+    """Load only the model of a job checkpoint (e.g. for evaluation), resharded for the model's current layout."""
+    state = {"app": {"model": get_model_state_dict(model)}}
+    dcp_load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["app"]["model"])
 
 
 def _barrier() -> None:

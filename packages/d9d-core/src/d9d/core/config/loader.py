@@ -23,6 +23,8 @@ SUFFIXES = (".yaml", ".yml", ".json", ".toml")
 
 def read_config_file(path: Path) -> dict[str, Any]:
     """The raw mapping stored in a YAML, JSON or TOML file (chosen by suffix)."""
+    if path.suffix.lower() not in SUFFIXES:
+        raise ValueError(f"config file {path}: unknown suffix {path.suffix!r}; valid: {', '.join(SUFFIXES)}")
     text = path.read_text(encoding="utf-8")
     match path.suffix.lower():
         case ".yaml" | ".yml":

@@ -6,6 +6,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from d9d.core.loop.profiling import ProfilingConfig
+
 
 class CheckpointingConfig(BaseModel):
     """Job checkpoints under `directory`: one `step-XXXXXXXX` folder each, complete once its marker exists."""
@@ -33,6 +35,7 @@ class TrainerConfig(BaseModel):
     collective_timeout_s: float = Field(default=600.0, gt=0, description="used when building the process group")
     peak_flops_per_device: float | None = Field(default=None, gt=0, description="for MFU; None: MFU not logged")
     checkpointing: CheckpointingConfig | None = None
+    profiling: ProfilingConfig | None = None
 
     @model_validator(mode="after")
     def _microbatch_divides(self) -> TrainerConfig:

@@ -32,6 +32,7 @@ def evaluate(
     *,
     steps: int,
     group: dist.ProcessGroup | None,
+    device: torch.device | None = None,
     schedule: StepSchedule | None = None,
 ) -> EvaluationResult:
     """Run `steps` steps of `data` forward only (model in eval mode, restored afterwards)."""
@@ -51,7 +52,7 @@ def evaluate(
                 loss_sum += float(result.loss_sum)
     finally:
         model.train(was_training)
-    total_loss, total_tokens, total_bytes = sum_over([loss_sum, float(tokens), float(num_bytes)], group)
+    total_loss, total_tokens, total_bytes = sum_over([loss_sum, float(tokens), float(num_bytes)], group, device)
     if total_tokens == 0:
         raise ValueError("evaluation saw no counted tokens (every label ignored?)")
     loss = total_loss / total_tokens

@@ -36,6 +36,14 @@ class ForwardBackwardFinished:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ExpertLoadsReduced:
+    """Per MoE layer, tokens routed to each expert in this step, summed over data-parallel ranks."""
+
+    step: int
+    loads: dict[str, Any]  # name -> 1-D float32 tensor
+
+
+@dataclass(frozen=True, kw_only=True)
 class OptimizerStepped:
     step: int
     grad_norm: float
@@ -57,6 +65,12 @@ class ValidationFinished:
     loss: float
     perplexity: float
     tokens: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointStarted:
+    step: int
+    path: Path
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -28,7 +28,16 @@ class Inference(Generic[TBatch]):
         self.model, self.task, self.data = model, task, data
         self.schedule = schedule or AccumulationSchedule()
         self._group = dp_group(ctx)
+        self._device = ctx.device if ctx is not None else None
 
     def run(self, steps: int) -> EvaluationResult:
         """Evaluate `steps` steps of the data source (every rank its share); the result is global."""
-        return evaluate(self.model, self.task, self.data, steps=steps, group=self._group, schedule=self.schedule)
+        return evaluate(
+            self.model,
+            self.task,
+            self.data,
+            steps=steps,
+            group=self._group,
+            device=self._device,
+            schedule=self.schedule,
+        )

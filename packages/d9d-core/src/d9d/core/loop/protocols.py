@@ -42,6 +42,19 @@ class ModelLoader(Protocol):
     def __call__(self, model: nn.Module) -> None: ...
 
 
+class ExpertLoadBalancer(Protocol):
+    """Auxiliary-loss-free MoE balancing: the loop sums each layer's expert loads over data-parallel ranks after
+    backward and hands them back, so every rank applies the same bias update."""
+
+    def local_loads(self) -> dict[str, torch.Tensor]:
+        """Tokens routed to each expert on this rank since the last `apply`, by MoE layer name (float32, 1-D)."""
+        ...
+
+    def apply(self, global_loads: Mapping[str, torch.Tensor]) -> None:
+        """Update the routing biases from the summed loads and reset the local counters."""
+        ...
+
+
 @dataclass(kw_only=True)
 class BuiltModel:
     """A materialised, parallelised model stage and what the loop drives for it."""
@@ -49,6 +62,7 @@ class BuiltModel:
     model: nn.Module
     gradient_sync: GradientSync
     flops_per_token: float | None = None  # forward + backward model FLOPs per token, for MFU
+    load_balancer: ExpertLoadBalancer | None = None
 
 
 class ModelProvider(Protocol):
@@ -127,6 +141,7 @@ __all__ = [
     "ByteCountingTask",
     "DataProvider",
     "DataSource",
+    "ExpertLoadBalancer",
     "Exporter",
     "GradientClipper",
     "GradientSync",

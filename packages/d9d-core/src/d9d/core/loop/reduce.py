@@ -16,9 +16,24 @@ def dp_group(ctx: DistributedContext | None) -> dist.ProcessGroup | None:
     return ctx.mesh_for(MeshDomain.BATCH)["dp"].get_group()
 
 
-def sum_over(values: list[float], group: dist.ProcessGroup | None) -> list[float]:
-    """Element-wise sums over `group`, in float64 (exact for token counts below 2**53)."""
-    tensor = torch.tensor(values, dtype=torch.float64)
+def sum_over(values: list[float], group: dist.ProcessGroup | None, device: torch.device | None = None) -> list[float]:
+    """Element-wise sums over `group`, in float64 (exact for token counts below 2**53), communicated on `device`
+    (the process group's device: CUDA for NCCL)."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
     if group is not None:
         dist.all_reduce(tensor, group=group)
     return [float(value) for value in tensor.tolist()]
+
+
+def sum_tensors_over(
+    tensors: dict[str, torch.Tensor], group: dist.ProcessGroup | None, device: torch.device | None = None
+) -> dict[str, torch.Tensor]:
+    """Sums of same-named 1-D tensors over `group`, in one all-reduce (names sorted so every rank agrees)."""
+    names = sorted(tensors)
+    if not names:
+        return {}
+    flat = torch.cat([tensors[name].detach().float().reshape(-1).to(device) for name in names])
+    if group is not None:
+        dist.all_reduce(flat, group=group)
+    sizes = [tensors[name].numel() for name in names]
+    return dict(zip(names, torch.split(flat, sizes), strict=True))

@@ -20,7 +20,8 @@ TBatch = TypeVar("TBatch")
 
 @dataclass(frozen=True, kw_only=True)
 class ScheduleResult:
-    """Local sums over this rank's micro-batches (detached)."""
+    """Local sums over this rank's micro-batches (detached; `loss_sum` float64 on the model's device, so the
+    schedule itself never waits for the device)."""
 
     loss_sum: torch.Tensor
     metric_sums: dict[str, float]
@@ -52,14 +53,17 @@ class AccumulationSchedule:
         loss_scale: float,
         backward: bool,
     ) -> ScheduleResult:
-        total = torch.zeros((), dtype=torch.float64)
+        total: torch.Tensor | None = None
         metric_sums: dict[str, float] = {}
         for batch in microbatches:
             with torch.set_grad_enabled(backward):
                 result = task.compute_loss(model, batch)
             if backward:
                 (result.loss_sum * loss_scale).backward()  # type: ignore[no-untyped-call]
-            total += result.loss_sum.detach().to("cpu", torch.float64)
+            loss = result.loss_sum.detach().to(torch.float64)
+            total = loss if total is None else total + loss
             for name, value in result.metrics.items():
                 metric_sums[name] = metric_sums.get(name, 0.0) + float(value)
+        if total is None:
+            total = torch.zeros((), dtype=torch.float64)
         return ScheduleResult(loss_sum=total, metric_sums=metric_sums)

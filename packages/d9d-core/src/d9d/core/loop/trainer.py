@@ -22,15 +22,17 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from d9d.core.checkpoint import JobCheckpointer, ModelAndOptimizer
+from d9d.core.checkpoint import JobCheckpointer, ModelAndOptimizer, checkpoint_dir
 from d9d.core.dist import DistributedContext
 from d9d.core.loop.config import TrainerConfig
 from d9d.core.loop.defaults import clip_grad_norm_torch
 from d9d.core.loop.evaluation import evaluate
 from d9d.core.loop.events import (
     CheckpointSaved,
+    CheckpointStarted,
     CheckpointWritten,
     EventBus,
+    ExpertLoadsReduced,
     ForwardBackwardFinished,
     OptimizerStepped,
     StepFinished,
@@ -41,8 +43,17 @@ from d9d.core.loop.events import (
 )
 from d9d.core.loop.measures import mfu, peak_memory_gib
 from d9d.core.loop.preemption import PreemptionFlag
-from d9d.core.loop.protocols import DataSource, GradientClipper, GradientSync, Tracker, TrainTask
-from d9d.core.loop.reduce import dp_group, sum_over
+from d9d.core.loop.profiling import StepProfiler
+from d9d.core.loop.protocols import (
+    DataSource,
+    ExpertLoadBalancer,
+    Exporter,
+    GradientClipper,
+    GradientSync,
+    Tracker,
+    TrainTask,
+)
+from d9d.core.loop.reduce import dp_group, sum_over, sum_tensors_over
 from d9d.core.loop.schedule import AccumulationSchedule, StepSchedule
 
 TBatch = TypeVar("TBatch")
@@ -65,6 +76,7 @@ class TrainerParts(Generic[TBatch]):
     clipper: GradientClipper = clip_grad_norm_torch
     tracker: Tracker | None = None
     flops_per_token: float | None = None
+    load_balancer: ExpertLoadBalancer | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,6 +135,7 @@ class Trainer(Generic[TBatch]):
                 (path / TRAINER_STATE_FILE).write_text(json.dumps(trainer_state, indent=1), encoding="utf-8")
             self.events.emit(CheckpointWritten(step=self.step, path=path))
 
+        self.events.emit(CheckpointStarted(step=self.step, path=checkpoint_dir(self._checkpointer.root, self.step)))
         path = self._checkpointer.save(self.step, state, before_marker=before_marker)
         self.events.emit(CheckpointSaved(step=self.step, path=path))
         return path
@@ -138,6 +151,10 @@ class Trainer(Generic[TBatch]):
         if self.parts.tracker is not None and run_id:
             self.parts.tracker.resume(run_id)
 
+    def export(self, exporter: Exporter) -> None:
+        """Hand the (trained) model to `exporter`, e.g. a d9d-states writer to the Hugging Face layout."""
+        exporter(self.parts.model)
+
     # The loop --------------------------------------------------------------------------------------------------
 
     def train(self) -> TrainResult:
@@ -152,11 +169,20 @@ class Trainer(Generic[TBatch]):
             gc.disable()
         losses: dict[int, float] = {}
         preempted = False
+        profiler = (
+            StepProfiler(self.config.profiling, rank=self.ctx.rank, device=self.ctx.device)
+            if self.config.profiling is not None
+            else None
+        )
+        if profiler is not None:
+            profiler.start()
         try:
             self.parts.model.train()
             while self.step < self.config.total_steps:
                 self.step += 1
                 losses[self.step] = self._train_step()
+                if profiler is not None:
+                    profiler.step(self.step)
                 if manual_gc and self.step % (self.config.gc_every or 1) == 0:
                     gc.collect()
                 self._maybe_validate()
@@ -166,6 +192,8 @@ class Trainer(Generic[TBatch]):
                 if preempted:
                     break
         finally:
+            if profiler is not None:
+                profiler.stop()
             preemption.uninstall()
             if manual_gc:
                 gc.enable()
@@ -194,7 +222,7 @@ class Trainer(Generic[TBatch]):
         started = time.perf_counter()
         microbatches = parts.data.next_step()
         local_tokens = sum(parts.task.count_tokens(batch) for batch in microbatches)
-        (global_tokens,) = sum_over([float(local_tokens)], self._group)
+        (global_tokens,) = sum_over([float(local_tokens)], self._group, self.ctx.device)
         if global_tokens == 0:
             raise ValueError(f"step {step}: the global batch has no counted tokens (every label ignored?)")
         parts.optimizer.zero_grad(set_to_none=True)
@@ -204,6 +232,7 @@ class Trainer(Generic[TBatch]):
         )
         parts.gradient_sync.wait()
         self.events.emit(ForwardBackwardFinished(step=step, num_microbatches=len(microbatches)))
+        load_metrics = self._balance_experts()
 
         params = [param for param in parts.model.parameters() if param.grad is not None]
         max_norm = self.config.max_grad_norm
@@ -214,7 +243,9 @@ class Trainer(Generic[TBatch]):
         self.events.emit(OptimizerStepped(step=step, grad_norm=grad_norm, learning_rate=learning_rate))
 
         names = sorted(result.metric_sums)
-        sums = sum_over([float(result.loss_sum)] + [result.metric_sums[name] for name in names], self._group)
+        sums = sum_over(
+            [float(result.loss_sum)] + [result.metric_sums[name] for name in names], self._group, self.ctx.device
+        )
         loss = sums[0] / global_tokens
         elapsed = time.perf_counter() - started
         tokens_per_second = global_tokens / elapsed
@@ -227,6 +258,7 @@ class Trainer(Generic[TBatch]):
             "step_seconds": elapsed,
             "peak_memory_gib": peak_memory_gib(self.ctx.device),
             **dict(zip(names, sums[1:], strict=True)),
+            **load_metrics,
         }
         utilisation = mfu(
             tokens_per_second, parts.flops_per_token, self.config.peak_flops_per_device, self.ctx.world_size
@@ -237,6 +269,19 @@ class Trainer(Generic[TBatch]):
             parts.tracker.log(step, metrics)
         self.events.emit(StepFinished(step=step, loss=loss, metrics=metrics))
         return loss
+
+    def _balance_experts(self) -> dict[str, float]:
+        """Sum expert loads over data-parallel ranks, update the routing biases; returns max/mean load per layer."""
+        balancer = self.parts.load_balancer
+        if balancer is None:
+            return {}
+        loads = sum_tensors_over(balancer.local_loads(), self._group, self.ctx.device)
+        balancer.apply(loads)
+        self.events.emit(ExpertLoadsReduced(step=self.step, loads=loads))
+        return {
+            f"expert_load_max_over_mean/{name}": float(load.max() / load.mean().clamp_min(1e-12))
+            for name, load in loads.items()
+        }
 
     def _maybe_validate(self) -> None:
         every, data = self.config.validation_every, self.parts.validation_data
@@ -249,6 +294,7 @@ class Trainer(Generic[TBatch]):
             data,
             steps=self.config.validation_steps,
             group=self._group,
+            device=self.ctx.device,
             schedule=self.parts.schedule,
         )
         if self.parts.tracker is not None:

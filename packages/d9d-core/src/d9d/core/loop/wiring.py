@@ -65,6 +65,7 @@ def build_trainer(
         clipper=clipper,
         tracker=tracker,
         flops_per_token=built.flops_per_token,
+        load_balancer=built.load_balancer,
     )
     return Trainer(ctx, config, parts, events=events)
 

@@ -1,0 +1,86 @@
+"""Kill, preempt and resume real `torchrun` process groups (2 gloo ranks, FSDP, tiny dense Qwen3).
+
+One uninterrupted 20-step run is the reference. Then, in one checkpoint directory: SIGKILL every rank mid-step 13
+(checkpoints every 5 steps: 5 and 10 are complete); resume with rank 1 SIGKILLed as the checkpoint of step 15
+starts writing (step 15 is left without a completion marker); resume again, which must take step 10, not 15,
+and reproduce steps 11-20 bit for bit. The step-10 checkpoint resumed on 1 rank matches within 1e-5 (another
+data-parallel size sums in another order). A separate run gets SIGTERM on every rank at step 7: it finishes
+the step, writes a complete checkpoint of step 7 and exits 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from d9d.core.checkpoint import is_complete, latest_complete
+
+PROGRAM = Path(__file__).with_name("rank_program.py")
+
+
+def _launch(out: Path, nproc: int, *faults: str) -> int:
+    command = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+        "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", "--max-restarts=0",
+        str(PROGRAM), "--out", str(out), *faults,
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240, check=False)
+    (out / "launch.log").parent.mkdir(parents=True, exist_ok=True)
+    (out / "launch.log").open("a").write(completed.stdout + completed.stderr)
+    return completed.returncode
+
+
+def _losses(out: Path) -> dict[int, float]:
+    """Step -> loss; a step logged by several attempts keeps its last value."""
+    lines = (out / "losses.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    return {record["step"]: float.fromhex(record["loss"]) for record in records}
+
+
+@pytest.mark.slow
+def test_sigkill_mid_step_and_mid_checkpoint_then_resume_is_bitwise_exact(tmp_path):
+    reference_dir, run_dir, other_size_dir = tmp_path / "reference", tmp_path / "run", tmp_path / "one-rank"
+    assert _launch(reference_dir, 2) == 0
+    reference = _losses(reference_dir)
+    assert sorted(reference) == list(range(1, 21))
+
+    assert _launch(run_dir, 2, "--kill-at", "13") != 0
+    checkpoints = run_dir / "checkpoints"
+    assert latest_complete(checkpoints) == checkpoints / "step-00000010"
+    assert max(_losses(run_dir)) == 12  # step 13 never finished
+
+    shutil.copytree(checkpoints / "step-00000010", other_size_dir / "checkpoints" / "step-00000010")
+
+    assert _launch(run_dir, 2, "--kill-in-checkpoint", "15", "--fault-ranks", "1") != 0
+    assert (checkpoints / "step-00000015").is_dir() and not is_complete(checkpoints / "step-00000015")
+    assert latest_complete(checkpoints) == checkpoints / "step-00000010"
+
+    assert _launch(run_dir, 2) == 0
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["resumed_from"].endswith("step-00000010")
+    resumed = _losses(run_dir)
+    for step in range(11, 21):
+        assert resumed[step] == reference[step], (step, resumed[step], reference[step])  # bitwise
+    assert is_complete(checkpoints / "step-00000020")
+    assert sorted(path.name for path in checkpoints.iterdir()) == ["step-00000015", "step-00000020"]
+
+    assert _launch(other_size_dir, 1) == 0
+    on_one_rank = _losses(other_size_dir)
+    worst = max(abs(on_one_rank[step] - reference[step]) for step in range(11, 21))
+    assert worst <= 1e-5, worst
+
+
+@pytest.mark.slow
+def test_sigterm_finishes_the_step_checkpoints_and_exits_zero(tmp_path):
+    assert _launch(tmp_path, 2, "--sigterm-at", "7") == 0
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result == {"last_step": 7, "preempted": True, "resumed_from": None}
+    assert latest_complete(tmp_path / "checkpoints") == tmp_path / "checkpoints" / "step-00000007"
+    assert max(_losses(tmp_path)) == 7

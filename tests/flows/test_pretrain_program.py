@@ -1,0 +1,81 @@
+"""The pretrain and evaluate rank programs on 2 gloo ranks: config file + overrides -> Trainer over token shards ->
+resume; a checkpoint's held-out loss, perplexity and bits per byte through Inference."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch.distributed as dist
+import yaml
+
+from d9d.core.checkpoint import latest_complete
+from d9d.core.data import TokenShardIndex, TokenShardSetWriter
+from d9d.flows.jobs.evaluate.program import main as evaluate
+from d9d.flows.jobs.pretrain.program import main
+
+pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module.*returned a view tensor:UserWarning")
+
+TINY_DENSE = {
+    "vocab_size": 96, "hidden_size": 32, "intermediate_size": 48, "num_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 64,
+}  # fmt: skip
+
+
+@pytest.fixture
+def job_file(tmp_path):
+    rng = np.random.default_rng(0)
+    with TokenShardSetWriter(tmp_path / "shards", dtype="uint16", max_shard_tokens=200) as writer:
+        for _ in range(40):
+            writer.add_document(rng.integers(0, 96, size=int(rng.integers(3, 30))), num_bytes=10)
+    job = {
+        "model": {"kind": "qwen3_dense", "parameters": TINY_DENSE, "decoder": {"attention": {"kind": "eager"}}},
+        "data": {"shards": str(tmp_path / "shards"), "seq_len": 16},
+        "trainer": {
+            "total_steps": 6, "global_batch_rows": 4, "microbatch_rows": 1,
+            "checkpointing": {"directory": str(tmp_path / "checkpoints"), "every_steps": 3},
+        },
+        "optimizer": {"kind": "adamw", "lr": 0.003},
+        "device": "cpu",
+        "metrics_dir": str(tmp_path / "metrics"),
+    }  # fmt: skip
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+@pytest.mark.distributed(world_size=2, timeout=180)
+def test_pretrain_program_trains_checkpoints_and_resumes(job_file):
+    root = job_file.parent
+    assert main(["--config", str(job_file), "--set", "trainer.total_steps=3"]) == 0
+    assert latest_complete(root / "checkpoints").name == "step-00000003"
+    assert main(["--config", str(job_file)]) == 0  # resumes at step 3, trains 4..6
+    assert latest_complete(root / "checkpoints").name == "step-00000006"
+    (metrics,) = (root / "metrics").glob("*.jsonl")  # one run identity across the resume
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.distributed(world_size=2, timeout=180)
+def test_evaluate_program_reports_loss_perplexity_and_bits_per_byte_of_a_checkpoint(job_file):
+    root = job_file.parent
+    assert main(["--config", str(job_file), "--set", "trainer.total_steps=3"]) == 0
+    job = yaml.safe_load(job_file.read_text())
+    config = {"model": job["model"], "shards": job["data"]["shards"], "seq_len": 16, "rows_per_step": 4,
+              "device": "cpu", "output": str(root / "eval")}  # fmt: skip
+    eval_file = root / "evaluate.yaml"
+    eval_file.write_text(yaml.safe_dump(config))
+    assert evaluate(["--config", str(eval_file), "--set", f"checkpoint={root / 'checkpoints'}"]) == 0
+    dist.barrier()  # rank 0 writes the report
+    trained = json.loads((root / "eval" / "evaluation.json").read_text())
+    assert trained["checkpoint"].endswith("step-00000003")
+    assert trained["perplexity"] == pytest.approx(math.exp(trained["loss"]))
+    index = TokenShardIndex.read(root / "shards")
+    bytes_per_token = index.num_bytes / index.num_tokens
+    assert trained["bits_per_byte"] == pytest.approx(trained["loss"] / (math.log(2) * bytes_per_token))
+    assert "| loss |" in (root / "eval" / "evaluation.md").read_text()
+    assert evaluate(["--config", str(eval_file), "--set", "output=" + str(root / "init")]) == 0
+    dist.barrier()
+    untrained = json.loads((root / "init" / "evaluation.json").read_text())
+    assert untrained["checkpoint"] is None and untrained["tokens"] == trained["tokens"]
+    assert untrained["loss"] != trained["loss"]  # the checkpoint's weights were loaded
