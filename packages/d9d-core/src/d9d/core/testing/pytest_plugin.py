@@ -27,6 +27,28 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped cleanly without one")
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run tests that fork ranks before the others (a stable reorder; modules keep their own order).
+
+    With a CUDA build of PyTorch, a process that has run any backward has started autograd's device threads, and
+    its forked children can no longer use autograd. Forking first keeps one pytest process enough on GPU machines.
+    """
+    forks: dict[str, bool] = {}
+
+    def forking(item: pytest.Item) -> bool:
+        if item.get_closest_marker("distributed") is not None:
+            return True
+        path = str(item.path)
+        if path not in forks:
+            try:
+                forks[path] = "run_on_ranks(" in item.path.read_text()
+            except OSError:
+                forks[path] = False
+        return forks[path]
+
+    items.sort(key=lambda item: not forking(item))
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if item.get_closest_marker("gpu") is not None and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU; none is visible")
@@ -49,12 +71,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     }
     function = pyfuncitem.obj
     if marker is None:
-        if pyfuncitem.get_closest_marker("gpu") is None:
-            return None
-        # A GPU test runs in a forked child so CUDA is never initialised in the pytest process: later tests can
-        # then still fork ranks that use CUDA themselves.
-        run_on_ranks(1, lambda: function(**arguments), init_process_group=False, timeout_seconds=600)
-        return True
+        return None
     _warm_up_once()
     world_size = marker.kwargs.get("world_size", marker.args[0] if marker.args else arguments.get("world_size"))
     if not isinstance(world_size, int):

@@ -80,9 +80,10 @@ def _check_forkable() -> None:
             "refusing to fork ranks: this process holds a process group, and a forked copy of it would deadlock; "
             "run this test in a process without one (destroy the group first)."
         )
-    # A parent with CUDA initialised may still fork CPU ranks (DataLoader workers do the same); only a rank that
-    # touches CUDA then fails, with PyTorch's own "Cannot re-initialize CUDA in forked subprocess". GPU tests keep
-    # CUDA out of the parent instead: the pytest plugin runs them in a forked child of their own.
+    # On a machine with GPUs, a parent that has initialised CUDA, or run any backward (autograd then starts one
+    # thread per GPU), cannot give its forked children CUDA or autograd; PyTorch's own errors say so in the child.
+    # Hence the CPU suite runs there with CUDA_VISIBLE_DEVICES= and GPU tests that fork ranks run in their own
+    # pytest process (.ci/gpu_suite.sh, docs/testing.md).
     others = [thread.name for thread in threading.enumerate() if thread is not threading.main_thread()]
     if others:
         raise RuntimeError(
