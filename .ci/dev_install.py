@@ -151,9 +151,10 @@ def install_milton_texts(python: str) -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         # pip (unlike uv) can fetch an sdist without building it, from the machine's configured index. A uv-made
-        # environment has no pip of its own, so fall back to the system's python3.
+        # environment has no pip of its own, so fall back to the interpreter it was made from, then python3 on PATH.
         command = ["download", "--quiet", "--no-deps", "--no-binary", ":all:", "--dest", tmp, EMBEDDED_CORPUS]
-        for interpreter in dict.fromkeys([sys.executable, shutil.which("python3") or "python3"]):
+        base = getattr(sys, "_base_executable", sys.executable)
+        for interpreter in dict.fromkeys([sys.executable, base, shutil.which("python3") or "python3"]):
             done = subprocess.run([interpreter, "-m", "pip", *command], capture_output=True, text=True, check=False)
             if done.returncode == 0:
                 break
