@@ -64,6 +64,7 @@ def _tokenizer(root: Path, files: list[Path], vocab: int) -> Path:
 def _d9d(root: Path, corpus: Path, tokenizer: Path, workers: int, run: int) -> dict[str, float]:
     from d9d.flows.jobs.contract import StageDirectory
     from d9d.flows.jobs.data_prep import DataPrepConfig, plan_data_prep, run_data_prep
+    from d9d.flows.jobs.progress import NoProgress
 
     config = DataPrepConfig.model_validate(
         {
@@ -75,7 +76,7 @@ def _d9d(root: Path, corpus: Path, tokenizer: Path, workers: int, run: int) -> d
     output = root / f"out-{workers}-{run}"
     started = time.perf_counter()
     plan = plan_data_prep(config, output)
-    outcome = run_data_prep(plan, StageDirectory(output).open_partial(), progress=_Quiet())
+    outcome = run_data_prep(plan, StageDirectory(output).open_partial(), progress=NoProgress())
     seconds = time.perf_counter() - started
     splits = outcome.statistics["splits"]
     tokens = splits["train"]["tokens"] + splits["validation"]["tokens"]
@@ -109,20 +110,6 @@ def _baseline(texts: list[str], tokenizer: Path) -> dict[str, float]:
     tokens = sum(len(encoding.ids) for encoding in loaded.encode_batch_fast(texts))
     seconds = time.perf_counter() - started
     return {"tokens": tokens, "tokenize_s": seconds, "stage_s": seconds}
-
-
-class _Quiet:
-    def note(self, message: str) -> None:
-        pass
-
-    def start(self, description: str, total: float, unit: str) -> None:
-        pass
-
-    def advance(self, amount: float, note: str = "") -> None:
-        pass
-
-    def finish(self) -> None:
-        pass
 
 
 def main() -> None:
