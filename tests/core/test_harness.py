@@ -99,3 +99,18 @@ def test_refuses_to_fork_while_holding_a_process_group():
 @pytest.mark.gpu
 def test_gpu_marked_tests_skip_without_cuda():
     assert torch.cuda.is_available()
+
+
+def test_a_crashing_rank_reports_its_stack():
+    import ctypes
+
+    def body():
+        if dist.get_rank() == 1:
+            ctypes.string_at(0)  # a deliberate segmentation fault
+        dist.barrier()
+
+    with pytest.raises((RankFailure, RankTimeout)) as failure:
+        run_on_ranks(2, body, timeout_seconds=20)
+    message = str(failure.value)
+    assert "rank 1 exited with code -11" in message
+    assert "Fatal Python error: Segmentation fault" in message

@@ -111,6 +111,7 @@ def _rank_main(
 ) -> int:
     stack_file = (workdir / f"stack-{rank}.txt").open("w")
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    faulthandler.enable(file=stack_file, all_threads=True)  # a crash (e.g. SIGSEGV) also leaves the rank's stack
     os.environ.update(
         {
             "RANK": str(rank),
