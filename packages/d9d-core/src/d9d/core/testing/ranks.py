@@ -276,9 +276,12 @@ def _report(
     if errors:
         detail = "\n".join(errors + unfinished)
         raise RankFailure(f"{len(errors)} of {len(pids)} ranks failed:\n{detail}")
-    if timed_out or unfinished:
+    if timed_out:
         detail = "\n".join(unfinished)
         raise RankTimeout(
             f"{len(unfinished)} of {len(pids)} ranks did not finish within {timeout_seconds:g}s (deadlock?):\n{detail}"
         )
+    if unfinished:
+        detail = "\n".join(unfinished)
+        raise RankFailure(f"{len(unfinished)} of {len(pids)} ranks exited without a result (crashed?):\n{detail}")
     return values
