@@ -64,7 +64,9 @@ def test_evaluate_program_reports_loss_perplexity_and_bits_per_byte_of_a_checkpo
     config = {"model": job["model"], "shards": job["data"]["shards"], "seq_len": 16, "rows_per_step": 4,
               "device": "cpu", "output": str(root / "eval")}  # fmt: skip
     eval_file = root / "evaluate.yaml"
-    eval_file.write_text(yaml.safe_dump(config))
+    if dist.get_rank() == 0:  # one writer: a rank reading while another truncates the file would see it empty
+        eval_file.write_text(yaml.safe_dump(config))
+    dist.barrier()
     assert evaluate(["--config", str(eval_file), "--set", f"checkpoint={root / 'checkpoints'}"]) == 0
     dist.barrier()  # rank 0 writes the report
     trained = json.loads((root / "eval" / "evaluation.json").read_text())
