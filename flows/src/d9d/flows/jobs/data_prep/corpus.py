@@ -165,6 +165,21 @@ def scan(file: CorpusFile, *, first_document: int, chunk_bytes: int) -> tuple[Fi
             assert_never(file.format)
 
 
+def _line_range(
+    file: CorpusFile, *, first_document: int, count: int, start: int, end: int, first_line: int
+) -> DocumentRange:
+    """The documents of lines `[start, end)` (bytes) of a JSON-lines file, starting at line `first_line`."""
+    return DocumentRange(
+        file=file,
+        first_document=first_document,
+        count=count,
+        text_bytes=end - start,
+        byte_start=start,
+        byte_end=end,
+        first_line=first_line,
+    )
+
+
 def _scan_jsonl(file: CorpusFile, first_document: int, chunk_bytes: int) -> tuple[FileFingerprint, list[DocumentRange]]:
     digest = hashlib.sha256()
     ranges: list[DocumentRange] = []
@@ -181,29 +196,15 @@ def _scan_jsonl(file: CorpusFile, first_document: int, chunk_bytes: int) -> tupl
                 count += 1
             if count and position - start >= chunk_bytes:
                 ranges.append(
-                    DocumentRange(
-                        file=file,
-                        first_document=document,
-                        count=count,
-                        text_bytes=position - start,
-                        byte_start=start,
-                        byte_end=position,
-                        first_line=start_line,
+                    _line_range(
+                        file, first_document=document, count=count, start=start, end=position, first_line=start_line
                     )
                 )
                 document += count
                 start, start_line, count = position, line_number, 0
     if count:
         ranges.append(
-            DocumentRange(
-                file=file,
-                first_document=document,
-                count=count,
-                text_bytes=position - start,
-                byte_start=start,
-                byte_end=position,
-                first_line=start_line,
-            )
+            _line_range(file, first_document=document, count=count, start=start, end=position, first_line=start_line)
         )
     return FileFingerprint(name=file.name, size=position, sha256=digest.hexdigest()), ranges
 
