@@ -7,9 +7,11 @@ import pytest
 import torch
 from tiny import DENSE_HF, EAGER, MOE_HF, VOCAB
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_flatten
 
 from d9d.core.dist import DistributedContext, MeshDegrees
 from d9d.models import materialize_
+from d9d.models.blocks.inputs import CausalLMOutput
 from d9d.models.qwen3 import (
     Qwen3DenseForCausalLM,
     Qwen3MoeForCausalLM,
@@ -84,3 +86,12 @@ def test_tensor_context_and_expert_parallel_degrees_are_refused_clearly():
         ctx = DistributedContext.build(degrees)
         with pytest.raises(NotImplementedError, match=f"{named} is not supported yet"):
             parallelize_qwen3_moe(_build(Qwen3MoeForCausalLM, params), ctx, FsdpConfig())
+
+
+def test_model_output_is_a_pytree_so_fsdp_hooks_its_tensors():
+    # FSDP2 registers a unit's pre-backward all-gather on the tensors it finds by pytree-flattening the unit's output.
+    # torch 2.11 does not look inside unregistered dataclasses: the root unit's parameters then stayed freed during
+    # backward and the FSDP Qwen3 tests crashed (SIGSEGV on CPU, illegal memory access on CUDA).
+    losses = torch.ones(3, requires_grad=True)
+    leaves, _ = tree_flatten(CausalLMOutput(losses=losses))
+    assert len(leaves) == 1 and leaves[0] is losses

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.utils._pytree import register_dataclass as register_pytree_dataclass
 
 from d9d.kernels.attention import AttentionMask
 
@@ -17,6 +18,12 @@ class CausalLMOutput:
     hidden_states: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     losses: torch.Tensor | None = None
+
+
+# FSDP2 finds a unit's outputs with pytree flattening to hook its pre-backward all-gather on them; torch 2.11 does
+# not look inside unregistered dataclasses, so without this the root unit's parameters stay freed in backward
+# (segfault on CPU, illegal memory access on CUDA).
+register_pytree_dataclass(CausalLMOutput)
 
 
 def positions_within_documents(document_ids: torch.Tensor) -> torch.Tensor:
