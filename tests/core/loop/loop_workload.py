@@ -208,14 +208,16 @@ def build_tiny_trainer(
     )
 
 
-def reference_losses(family: str, *, total_steps: int, global_rows: int = 8) -> list[float]:
-    """Single-process training on the whole global batch at once: no Trainer, no accumulation, one process."""
+def reference_losses(family: str, *, total_steps: int, global_rows: int = 8, device: str = "cpu") -> list[float]:
+    """Single-process training on the whole global batch at once: no Trainer, no accumulation, one process.
+
+    On `cuda` the weights come from the CUDA generator, as a Trainer's ranks on CUDA draw them."""
     from d9d.core.determinism import seed_everything
     from d9d.core.loop import synthetic_global_batch
 
     model = build_tiny(family)
     seed_everything(3)
-    materialize_(model, "cpu")
+    materialize_(model, device)
     optimizer = optimizer_provider(model)
     scheduler = lr_provider(optimizer, total_steps)
     balancer = MoeBiasBalancer(model, BIAS_RATE) if family == "moe_bias" else None
@@ -226,7 +228,7 @@ def reference_losses(family: str, *, total_steps: int, global_rows: int = 8) -> 
         )
         optimizer.zero_grad(set_to_none=True)
         count = (batch.labels != -100).sum()
-        loss = model(batch.input_ids, labels=batch.labels).losses.sum() / count
+        loss = model(batch.input_ids.to(device), labels=batch.labels.to(device)).losses.sum() / count.to(device)
         loss.backward()
         if balancer is not None:
             balancer.apply(balancer.local_loads())
