@@ -137,4 +137,4 @@ class DecoderForCausalLM(nn.Module):
             return CausalLMOutput(hidden_states=hidden)
         if labels is not None:
             return CausalLMOutput(losses=self.lm_head(hidden, labels))
-        return CausalLMOutput(logits=self.lm_head.logits(hidden))
+        return CausalLMOutput(logits=self.lm_head(hidden))  # through forward: FSDP gathers the head's weight

@@ -39,9 +39,12 @@ class SplitLanguageModellingHead(nn.Module):
         return weights[0] if len(weights) == 1 else torch.cat(weights)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Full logits in the compute dtype: for evaluation and tests; training uses `forward`."""
+        """Full logits in the compute dtype, as `forward(hidden)`; call `forward` on a parallelised model, whose
+        parameter-gathering hooks run around `forward` only."""
         return hidden @ self.weight().T
 
-    def forward(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Per-token float32 losses shaped like `labels` (0 where a label is -100)."""
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-token float32 losses shaped like `labels` (0 where a label is -100); full logits without labels."""
+        if labels is None:
+            return self.logits(hidden)
         return chunked_linear_cross_entropy(hidden, self.weight(), labels, chunk_size=self.loss_chunk_size)
