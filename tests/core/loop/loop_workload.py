@@ -19,7 +19,6 @@ from d9d.core.loop import (
     BuiltModel,
     CheckpointingConfig,
     EventBus,
-    JsonlTracker,
     LossResult,
     ModelLoader,
     SyntheticTokenSource,
@@ -33,6 +32,7 @@ from d9d.core.lr.config import RestPhaseConfig, StepsPhaseConfig
 from d9d.core.optim import AdamWConfig, build_optimizer
 from d9d.kernels.attention import EagerAttentionConfig
 from d9d.kernels.grouped_mm import EagerGroupedMmConfig
+from d9d.metrics.trackers import JsonlTracker
 from d9d.models import DecoderConfig, materialize_
 from d9d.models.qwen3 import (
     Qwen3DenseForCausalLM,

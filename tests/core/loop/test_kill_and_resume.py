@@ -5,7 +5,8 @@ One uninterrupted 20-step run is the reference. Then, in one checkpoint director
 starts writing (step 15 is left without a completion marker); resume again, which must take step 10, not 15,
 and reproduce steps 11-20 bit for bit. The step-10 checkpoint resumed on 1 rank matches within 1e-5 (another
 data-parallel size sums in another order). A separate run gets SIGTERM on every rank at step 7: it finishes
-the step, writes a complete checkpoint of step 7 and exits 0.
+the step, writes a complete checkpoint of step 7 and exits 0. A 4-rank checkpoint resumes on 2 ranks (the
+accumulation doubles, the global batch stays) within 1e-5 of the 4-rank run; on 3 ranks it fails, saying why.
 """
 
 from __future__ import annotations
@@ -84,3 +85,29 @@ def test_sigterm_finishes_the_step_checkpoints_and_exits_zero(tmp_path):
     assert result == {"last_step": 7, "preempted": True, "resumed_from": None}
     assert latest_complete(tmp_path / "checkpoints") == tmp_path / "checkpoints" / "step-00000007"
     assert max(_losses(tmp_path)) == 7
+
+
+@pytest.mark.slow
+def test_four_rank_checkpoint_resumes_on_two_ranks_with_the_same_global_batch(tmp_path):
+    """4 ranks x 1 micro-batch of 1 row per step; resumed on 2 ranks the accumulation becomes 2 micro-batches, the
+    global batch (4 rows, the same rows) is kept. Tolerance 1e-5 per step: only the float32 summation order differs
+    (gradients reduced over 2 ranks instead of 4). On 3 ranks 4 rows cannot be split: the error says so."""
+    reference_dir, two_dir, three_dir = tmp_path / "four", tmp_path / "two", tmp_path / "three"
+    assert _launch(reference_dir, 4, "--every", "10") == 0  # keeps the checkpoints of steps 10 and 20
+    reference = _losses(reference_dir)
+    checkpoint = reference_dir / "checkpoints" / "step-00000010"
+    assert is_complete(checkpoint)
+    shutil.copytree(checkpoint, two_dir / "checkpoints" / "step-00000010")
+    shutil.copytree(checkpoint, three_dir / "checkpoints" / "step-00000010")
+
+    assert _launch(two_dir, 2) == 0
+    result = json.loads((two_dir / "result.json").read_text())
+    assert result["resumed_from"].endswith("step-00000010")
+    on_two = _losses(two_dir)
+    assert sorted(on_two) == list(range(11, 21))
+    worst = max(abs(on_two[step] - reference[step]) for step in range(11, 21))
+    assert worst <= 1e-5, worst
+
+    assert _launch(three_dir, 3) != 0
+    log = (three_dir / "launch.log").read_text()
+    assert "global_batch_rows=4 cannot be split into micro-batches of 1 rows over 3 data-parallel ranks" in log

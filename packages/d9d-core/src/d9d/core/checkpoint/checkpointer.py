@@ -8,7 +8,7 @@ shards are redistributed for the current layout).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -31,18 +32,27 @@ from d9d.core.checkpoint.rng import capture_rng_state, restore_rng_state
 
 
 class ModelAndOptimizer(Stateful):
-    """DCP view of a (possibly sharded) model and its optimizer, in layout-independent (fully qualified) form."""
+    """DCP view of a (possibly sharded) model and its optimizer, in layout-independent (fully qualified) form.
 
-    def __init__(self, model: nn.Module, optimizer: Optimizer) -> None:
+    `trainable_only`: the model part holds only parameters with `requires_grad` (e.g. fine-tuning adapters); the
+    frozen rest is left as it is on load, so it must come from elsewhere (the base checkpoint).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: Optimizer, *, trainable_only: bool = False) -> None:
         self._model, self._optimizer = model, optimizer
+        self._options = StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
 
     def state_dict(self) -> dict[str, Any]:
-        model_state, optimizer_state = get_state_dict(self._model, self._optimizer)
+        model_state, optimizer_state = get_state_dict(self._model, self._optimizer, options=self._options)
         return {"model": model_state, "optimizer": optimizer_state}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         set_state_dict(
-            self._model, self._optimizer, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optimizer"]
+            self._model,
+            self._optimizer,
+            model_state_dict=state_dict["model"],
+            optim_state_dict=state_dict["optimizer"],
+            options=self._options,
         )
 
 
@@ -84,11 +94,21 @@ class JobCheckpointer:
             restore_rng_state(torch.load(rng_file, weights_only=False))
 
 
-def load_model_weights(path: Path, model: nn.Module) -> None:
-    """Load only the model of a job checkpoint (e.g. for evaluation), resharded for the model's current layout."""
-    state = {"app": {"model": get_model_state_dict(model)}}
+def load_model_weights(path: Path, model: nn.Module, *, names: Collection[str] | None = None) -> None:
+    """Load only the model of a job checkpoint (e.g. for evaluation), resharded for the model's current layout.
+
+    `names`: load only these state names and leave the rest as it is (e.g. a base model's checkpoint into a model
+    with added adapters); None: every name of the model, each must be in the checkpoint.
+    """
+    model_state = get_model_state_dict(model)
+    if names is not None:
+        unknown = sorted(set(names) - model_state.keys())
+        if unknown:
+            raise KeyError(f"names {unknown[:5]} are not in the model's state ({len(model_state)} names)")
+        model_state = {name: value for name, value in model_state.items() if name in names}
+    state = {"app": {"model": model_state}}
     dcp_load(state, checkpoint_id=path)
-    set_model_state_dict(model, state["app"]["model"])
+    set_model_state_dict(model, state["app"]["model"], options=StateDictOptions(strict=names is None))
 
 
 def _barrier() -> None:

@@ -1,7 +1,7 @@
 """The execution engine: `Trainer` and `Inference` over injected providers, typed events, schedules."""
 
 from d9d.core.loop.config import CheckpointingConfig, TrainerConfig
-from d9d.core.loop.defaults import JsonlTracker, NoGradientSync, clip_grad_norm_torch
+from d9d.core.loop.defaults import NoGradientSync, clip_grad_norm_torch
 from d9d.core.loop.evaluation import EvaluationResult, evaluate
 from d9d.core.loop.events import (
     CheckpointSaved,
@@ -21,6 +21,7 @@ from d9d.core.loop.inference import Inference
 from d9d.core.loop.loader_source import LoaderDataSource, PositionedLoader
 from d9d.core.loop.profiling import ProfilingConfig, StepProfiler
 from d9d.core.loop.protocols import (
+    AuxLossWeighting,
     BuiltModel,
     ByteCountingTask,
     DataProvider,
@@ -44,6 +45,7 @@ from d9d.core.loop.wiring import build_inference, build_trainer, dp_size_of
 
 __all__ = [
     "AccumulationSchedule",
+    "AuxLossWeighting",
     "BuiltModel",
     "ByteCountingTask",
     "CheckpointSaved",
@@ -61,7 +63,6 @@ __all__ = [
     "GradientClipper",
     "GradientSync",
     "Inference",
-    "JsonlTracker",
     "LRSchedulerProvider",
     "LoaderDataSource",
     "LossResult",

@@ -18,6 +18,11 @@ class CheckpointingConfig(BaseModel):
     every_steps: int | None = Field(default=None, ge=1, description="None: only at the end and on preemption")
     keep_last: int = Field(default=2, ge=1)
     resume: bool = Field(default=True, description="continue from the newest complete checkpoint if there is one")
+    trainable_only: bool = Field(
+        default=False,
+        description="save only parameters that train (and their optimizer state), e.g. fine-tuning adapters; the "
+        "frozen rest must be loaded from its own checkpoint before resuming",
+    )
 
 
 class TrainerConfig(BaseModel):

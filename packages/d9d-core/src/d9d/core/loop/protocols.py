@@ -55,6 +55,18 @@ class ExpertLoadBalancer(Protocol):
         ...
 
 
+class AuxLossWeighting(Protocol):
+    """Auxiliary losses a model adds to backward by itself (MoE load balancing, router z-loss; d9d-models'
+    `AuxLossWeights`). The loop sets the weight before each step to one over the step's micro-batches on all
+    data-parallel ranks, so the auxiliary loss that reaches the summed gradients is the micro-batches' mean."""
+
+    def set_weight(self, weight: float) -> None: ...
+
+    def take_weighted_sum(self) -> float:
+        """This rank's weighted auxiliary losses since the last call (summed over ranks: the step's value)."""
+        ...
+
+
 @dataclass(kw_only=True)
 class BuiltModel:
     """A materialised, parallelised model stage and what the loop drives for it."""
@@ -63,6 +75,7 @@ class BuiltModel:
     gradient_sync: GradientSync
     flops_per_token: float | None = None  # forward + backward model FLOPs per token, for MFU
     load_balancer: ExpertLoadBalancer | None = None
+    aux_losses: AuxLossWeighting | None = None
 
 
 class ModelProvider(Protocol):
@@ -120,14 +133,22 @@ class LRSchedulerProvider(Protocol):
 
 
 class Tracker(Protocol):
-    """Experiment tracking. `run_id` is checkpointed and handed back through `resume` so a run keeps its identity."""
+    """Experiment tracking (d9d-metrics' trackers satisfy it). `run_id` is checkpointed and handed back through
+    `resume`, so a resumed job continues the same run, and every step ends up in its history exactly once."""
 
     @property
     def run_id(self) -> str: ...
 
-    def resume(self, run_id: str) -> None: ...
+    def resume(self, run_id: str, step: int) -> None:
+        """Continue run `run_id` from the checkpoint of `step`: whatever it holds after `step` (logged before a
+        crash) is dropped or overwritten, because the loop logs those steps again."""
+        ...
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None: ...
+
+    def checkpointed(self, step: int) -> None:
+        """The checkpoint of `step` is complete: history up to `step` can no longer be replayed, make it durable."""
+        ...
 
 
 class Exporter(Protocol):

@@ -45,6 +45,7 @@ from d9d.core.loop.measures import mfu, peak_memory_gib
 from d9d.core.loop.preemption import PreemptionFlag
 from d9d.core.loop.profiling import StepProfiler
 from d9d.core.loop.protocols import (
+    AuxLossWeighting,
     DataSource,
     ExpertLoadBalancer,
     Exporter,
@@ -77,6 +78,7 @@ class TrainerParts(Generic[TBatch]):
     tracker: Tracker | None = None
     flops_per_token: float | None = None
     load_balancer: ExpertLoadBalancer | None = None
+    aux_losses: AuxLossWeighting | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,7 +129,7 @@ class Trainer(Generic[TBatch]):
     def save_checkpoint(self) -> Path:
         if self._checkpointer is None:
             raise RuntimeError("TrainerConfig.checkpointing is not set")
-        state = {"app": ModelAndOptimizer(self.parts.model, self.parts.optimizer)}
+        state = {"app": self._checkpoint_view()}
         trainer_state = self._trainer_state()
 
         def before_marker(path: Path) -> None:
@@ -137,19 +139,26 @@ class Trainer(Generic[TBatch]):
 
         self.events.emit(CheckpointStarted(step=self.step, path=checkpoint_dir(self._checkpointer.root, self.step)))
         path = self._checkpointer.save(self.step, state, before_marker=before_marker)
+        if self.parts.tracker is not None:
+            self.parts.tracker.checkpointed(self.step)  # after the marker: these steps are never replayed now
         self.events.emit(CheckpointSaved(step=self.step, path=path))
         return path
 
+    def _checkpoint_view(self) -> ModelAndOptimizer:
+        checkpointing = self.config.checkpointing
+        trainable_only = checkpointing is not None and checkpointing.trainable_only
+        return ModelAndOptimizer(self.parts.model, self.parts.optimizer, trainable_only=trainable_only)
+
     def load_checkpoint(self, path: Path) -> None:
         assert self._checkpointer is not None
-        self._checkpointer.load(path, {"app": ModelAndOptimizer(self.parts.model, self.parts.optimizer)})
+        self._checkpointer.load(path, {"app": self._checkpoint_view()})
         trainer_state: Mapping[str, Any] = json.loads((path / TRAINER_STATE_FILE).read_text(encoding="utf-8"))
         self.step = int(trainer_state["step"])
         self.parts.data.load_state_dict(trainer_state["data"])
         self.parts.lr_scheduler.load_state_dict(trainer_state["lr_scheduler"])
         run_id = trainer_state.get("tracker_run_id")
         if self.parts.tracker is not None and run_id:
-            self.parts.tracker.resume(run_id)
+            self.parts.tracker.resume(run_id, self.step)  # steps after this one were logged by the dead attempt
 
     def export(self, exporter: Exporter) -> None:
         """Hand the (trained) model to `exporter`, e.g. a d9d-states writer to the Hugging Face layout."""
@@ -226,6 +235,10 @@ class Trainer(Generic[TBatch]):
         if global_tokens == 0:
             raise ValueError(f"step {step}: the global batch has no counted tokens (every label ignored?)")
         parts.optimizer.zero_grad(set_to_none=True)
+        if parts.aux_losses is not None:
+            # Every micro-batch routes the same number of tokens (rows x seq_len), so their plain mean over all
+            # ranks is the token-weighted mean: one big batch's z-loss, the micro-batches' mean balance loss.
+            parts.aux_losses.set_weight(1.0 / (len(microbatches) * self._dp_size))
         parts.gradient_sync.begin_step(len(microbatches))
         result = parts.schedule.run(
             parts.model, parts.task, microbatches, loss_scale=1.0 / global_tokens, backward=True
@@ -242,10 +255,11 @@ class Trainer(Generic[TBatch]):
         parts.lr_scheduler.step()
         self.events.emit(OptimizerStepped(step=step, grad_norm=grad_norm, learning_rate=learning_rate))
 
-        names = sorted(result.metric_sums)
-        sums = sum_over(
-            [float(result.loss_sum)] + [result.metric_sums[name] for name in names], self._group, self.ctx.device
-        )
+        metric_sums = dict(result.metric_sums)
+        if parts.aux_losses is not None:  # already weighted: the sum over ranks is the step's auxiliary loss
+            metric_sums["aux_loss"] = parts.aux_losses.take_weighted_sum()
+        names = sorted(metric_sums)
+        sums = sum_over([float(result.loss_sum)] + [metric_sums[name] for name in names], self._group, self.ctx.device)
         loss = sums[0] / global_tokens
         elapsed = time.perf_counter() - started
         tokens_per_second = global_tokens / elapsed

@@ -66,6 +66,7 @@ def build_trainer(
         tracker=tracker,
         flops_per_token=built.flops_per_token,
         load_balancer=built.load_balancer,
+        aux_losses=built.aux_losses,
     )
     return Trainer(ctx, config, parts, events=events)
 

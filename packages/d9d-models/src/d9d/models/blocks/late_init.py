@@ -22,6 +22,14 @@ class ModuleLateInit(Protocol):
     def reset_parameters(self) -> None: ...
 
 
+@runtime_checkable
+class AdapterLateInit(Protocol):
+    """A module put inside a built block (e.g. a PEFT adapter wrapping a block's linear): the block's
+    `reset_parameters` initialises the weights it knows, `materialize_` then calls this for the adapter's own."""
+
+    def reset_adapter_parameters(self) -> None: ...
+
+
 def late_init_roots(module: nn.Module) -> Iterator[nn.Module]:
     """The outermost modules under (and including) `module` that define `reset_parameters`."""
     if isinstance(module, ModuleLateInit):
@@ -41,6 +49,9 @@ def materialize_(module: nn.Module, device: torch.device | str) -> nn.Module:
     for root in late_init_roots(module):
         assert isinstance(root, ModuleLateInit)
         root.reset_parameters()
+    for sub in module.modules():
+        if isinstance(sub, AdapterLateInit):
+            sub.reset_adapter_parameters()
     return module
 
 

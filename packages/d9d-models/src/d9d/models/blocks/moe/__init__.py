@@ -5,8 +5,10 @@ from d9d.models.blocks.moe.layer import MoELayer
 from d9d.models.blocks.moe.losses import attach_aux_loss, load_balancing_loss, router_z_loss
 from d9d.models.blocks.moe.permute import PermutedTokens, permute_tokens, unpermute_tokens
 from d9d.models.blocks.moe.router import RouterScoring, RoutingResult, TopKRouter, force_routing
+from d9d.models.blocks.moe.weighting import AuxLossWeights, aux_loss_weights
 
 __all__ = [
+    "AuxLossWeights",
     "GroupedLinear",
     "GroupedSwiGLU",
     "MoELayer",
@@ -15,6 +17,7 @@ __all__ = [
     "RoutingResult",
     "TopKRouter",
     "attach_aux_loss",
+    "aux_loss_weights",
     "force_routing",
     "load_balancing_loss",
     "permute_tokens",

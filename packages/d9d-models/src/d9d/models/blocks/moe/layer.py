@@ -24,7 +24,9 @@ class MoELayer(nn.Module):
     `tokens_per_expert` (a buffer, not saved) accumulates the routed load of every forward pass until
     `reset_load()`: log it, or all-reduce it and feed `router.update_expert_bias_`. With `load_balancing_coef` or
     `z_loss_coef` above zero the auxiliary losses are added to backward (see `attach_aux_loss`); their last values
-    are in `aux_losses` for logging.
+    are in `aux_losses` for logging. `aux_loss_weight` scales what reaches backward: a training loop that runs a
+    step as several micro-batches (and data-parallel ranks) sets it to one over their number, so the step's
+    auxiliary loss is their mean (see `AuxLossWeights`).
     """
 
     tokens_per_expert: torch.Tensor
@@ -65,6 +67,9 @@ class MoELayer(nn.Module):
         )
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.float32), persistent=False)
         self.aux_losses: dict[str, torch.Tensor] = {}
+        self.aux_loss_weight = 1.0
+        # The weighted auxiliary losses of the training forwards since the last `take_weighted_aux_loss()`.
+        self._weighted_aux_sum: torch.Tensor | None = None
 
     def reset_parameters(self) -> None:
         self.router.reset_parameters()
@@ -103,8 +108,18 @@ class MoELayer(nn.Module):
         if not terms:
             return out
         self.aux_losses = {name: value.detach() for name, value in terms.items()}
-        total = self.load_balancing_coef * terms.get("load_balancing", 0.0) + self.z_loss_coef * terms.get(
-            "z_loss", 0.0
+        total = self.aux_loss_weight * (
+            self.load_balancing_coef * terms.get("load_balancing", 0.0) + self.z_loss_coef * terms.get("z_loss", 0.0)
         )
         assert isinstance(total, torch.Tensor)
-        return attach_aux_loss(out, total) if torch.is_grad_enabled() else out
+        if not torch.is_grad_enabled():
+            return out
+        if not _in_backward():  # a recomputation (activation checkpointing) is not another forward
+            done = total.detach()
+            self._weighted_aux_sum = done if self._weighted_aux_sum is None else self._weighted_aux_sum + done
+        return attach_aux_loss(out, total)
+
+    def take_weighted_aux_loss(self) -> torch.Tensor | None:
+        """The weighted auxiliary losses that went into backward since the last call (None: none did); resets."""
+        taken, self._weighted_aux_sum = self._weighted_aux_sum, None
+        return taken
