@@ -85,3 +85,25 @@ def test_show_config_prints_the_resolved_job(capsys, tmp_path, monkeypatch):
     out = capsys.readouterr().out
     assert f"workdir: {tmp_path}/runs/tiny" in out
     assert "workers: 1" in out
+
+
+def test_pretrain_vocabulary_smaller_than_the_tokenizer(capsys):
+    err = _error(capsys, ["run", "pipeline", "--preset", "micro", "--set", "data_prep.tokenizer.vocab_size=1024"])
+    assert "pretrain.model.parameters.vocab_size=512 is smaller than data_prep.tokenizer.vocab_size=1024" in err
+
+
+def test_pretrain_global_batch_that_does_not_split_over_the_ranks(capsys):
+    err = _error(capsys, ["run", "pretrain", "--preset", "micro", "--set", "pretrain.global_batch_rows=6"])
+    assert "pretrain.global_batch_rows=6 cannot be split into micro-batches of pretrain.microbatch_rows=2" in err
+    assert "make it a multiple of 4" in err
+
+
+def test_evaluate_rows_per_step_not_a_multiple_of_the_ranks(capsys):
+    err = _error(capsys, ["run", "evaluate", "--preset", "micro", "--set", "evaluate.rows_per_step=3"])
+    assert "evaluate.rows_per_step=3 is not a multiple of evaluate.nproc_per_node=2" in err
+
+
+def test_a_stage_alone_needs_the_outputs_it_reads(capsys, tmp_path):
+    err = _error(capsys, ["run", "evaluate", "--preset", "micro", "--set", f"workdir={tmp_path}"])
+    assert f"evaluate reads the output of data-prep at {tmp_path / 'data'}, which is not complete" in err
+    assert "run `d9d run data-prep` (or the pipeline) first" in err

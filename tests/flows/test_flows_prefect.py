@@ -5,12 +5,14 @@ fork while other threads run.
 """
 
 import json
+import math
 import shutil
 
 import pytest
 import yaml
 from flows_corpora import small_job
 
+from d9d.core.checkpoint import latest_complete
 from d9d.flows.cli import EXIT_FAILED, main
 from d9d.flows.jobs.contract import StageManifest
 from d9d.flows.jobs.faults import FAULT_ENV
@@ -42,13 +44,16 @@ def test_pipeline_runs_then_skips_then_redoes_what_was_deleted(prefect_api, tmp_
     assert StageManifest.read(tmp_path / "model").created_at
     for path in (output, output / "tokenizer.json", output / "train", output / "validation", output / "manifest.json"):
         assert str(path) in out
+    _check_pretrain_and_evaluate(tmp_path, out)
     created = StageManifest.read(output).created_at
+    pretrained = StageManifest.read(tmp_path / "pretrain").created_at
     shard_times = {path: path.stat().st_mtime_ns for path in output.rglob("*.d9dtok")}
 
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "data-prep: skipped (up to date: manifest matches config and inputs)" in out
     assert "convert: skipped" in out
+    assert "pretrain: skipped (up to date" in out and "evaluate: skipped (up to date" in out
     assert StageManifest.read(output).created_at == created
     assert {path: path.stat().st_mtime_ns for path in output.rglob("*.d9dtok")} == shard_times
 
@@ -64,10 +69,53 @@ def test_pipeline_runs_then_skips_then_redoes_what_was_deleted(prefect_api, tmp_
     runs = _flow_runs(tmp_path)
     assert [run.state_type.value for run in runs] == ["COMPLETED"] * 4
     assert len(_flow_runs(tmp_path, name="pipeline")) == 4
+    # Data prep redone from the same corpus gives the same shards: pretraining (keyed on their checksums) skipped.
+    assert StageManifest.read(tmp_path / "pretrain").created_at == pretrained
+    assert [run.state_type.value for run in _flow_runs(tmp_path, name="pretrain")] == ["COMPLETED"] * 4
+
+
+def _check_pretrain_and_evaluate(workdir, out):
+    """The first run's pretrain and evaluate outputs, its report, and the artifacts the Prefect API holds."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    assert "pretrain: ran" in out and "evaluate: ran" in out
+    statistics = StageManifest.read(workdir / "pretrain").statistics
+    assert statistics["steps"] == 8 and statistics["ranks"] == 2
+    assert latest_complete(workdir / "pretrain" / "checkpoints").name == "step-00000008"
+    losses = [json.loads(line) for line in (workdir / "pretrain" / "losses.jsonl").read_text().splitlines()]
+    assert [record["step"] for record in losses] == list(range(1, 9))
+    tracker = statistics["tracker"]  # the default tracker: JSONL in the stage output, named in the summary
+    assert tracker["kind"] == "jsonl" and tracker["location"] == str(
+        workdir / "pretrain" / "tracker" / f"{tracker['run_id']}.jsonl"
+    )
+    tracked = [
+        json.loads(line)
+        for line in (workdir / "pretrain" / "tracker" / f"{tracker['run_id']}.jsonl").read_text().splitlines()
+    ]
+    assert [record["step"] for record in tracked if "loss" in record] == list(range(1, 9))
+    assert f"jsonl {tracker['run_id']}: {tracker['location']}" in out
+    report = json.loads((workdir / "evaluation" / "evaluation.json").read_text())
+    pretrain, base = report["checkpoints"]["pretrain"], report["checkpoints"]["base"]
+    assert pretrain["checkpoint"].endswith("step-00000008") and base["checkpoint"].endswith("model/checkpoint")
+    assert pretrain["perplexity"] == pytest.approx(math.exp(pretrain["loss"]))
+    assert pretrain["loss"] < math.log(512)  # below a uniform guess over the 512 tokens: it learned something
+    assert (workdir / "evaluation" / "loss_curve.png").read_bytes()[:4] == b"\x89PNG"
+    for name in ("pretrain", "base"):  # the report printed at the end: per checkpoint loss, perplexity, bits/byte
+        numbers = report["checkpoints"][name]
+        assert f"{numbers['loss']:8.4f} {numbers['perplexity']:11.2f} {numbers['bits_per_byte']:10.4f}" in out
+    assert str(workdir / "evaluation" / "loss_curve.png") in out
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["evaluation-report", "evaluation-table"]))
+        )
+    kinds = {artifact.type for artifact in artifacts if str(workdir) in (artifact.description or "")}
+    assert kinds == {"markdown", "table"}
 
 
 def test_failed_run_then_fixed_completes_without_redoing_finished_work(prefect_api, tmp_path, capsys, monkeypatch):
-    argv = ["run", "pipeline", "--preset", "micro", "--set", f"workdir={tmp_path}", "--set", "data_prep.retries=0"]
+    # The data-prep stage alone: the pipeline would go on to train and evaluate, which other tests cover.
+    argv = ["run", "data-prep", "--preset", "micro", "--set", f"workdir={tmp_path}", "--set", "data_prep.retries=0"]
     monkeypatch.setenv(FAULT_ENV, "data_prep.items:2")  # fail after two of the four units are tokenized
     assert main(argv) == EXIT_FAILED
     err = capsys.readouterr().err

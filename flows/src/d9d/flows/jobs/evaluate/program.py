@@ -5,6 +5,11 @@
 Bits per byte uses the shard set's bytes per token (`num_bytes / num_tokens` of its index): packed rows cut
 documents, so per-row byte counts do not exist; over a whole pass the ratio is exact. Rank 0 writes
 `evaluation.json` and `evaluation.md` into `output`.
+
+    torchrun --nproc-per-node N -m d9d.flows.jobs.evaluate.program --suite --config suite.yaml
+
+evaluates several models (each its own architecture, a job checkpoint or converted safetensors weights) over the
+same held-out set in one launch, each report into `output/<name>/`. The evaluate stage uses this form.
 """
 
 from __future__ import annotations
@@ -27,8 +32,12 @@ from d9d.core.determinism import seed_everything
 from d9d.core.dist import DistributedContext, MeshDegrees
 from d9d.core.dist.domains import MeshDomain
 from d9d.core.loop import Inference, LoaderDataSource
+from d9d.core.loop.trainer import TRAINER_STATE_FILE
+from d9d.flows.jobs.launch import emit_progress
 from d9d.flows.jobs.pretrain.config import AnyModelConfig
 from d9d.flows.jobs.pretrain.program import PackedCausalLMTask, model_provider_for
+from d9d.flows.jobs.weights import load_converted_weights
+from d9d.metrics.trackers import AnyTrackerConfig, NoTrackerConfig, build_tracker
 from d9d.parallel import AnyDataParallelConfig, FsdpConfig
 
 
@@ -43,11 +52,17 @@ class EvaluateConfig(BaseModel):
     checkpoint: Path | None = Field(
         default=None, description="a job checkpoint folder, or a directory of them (newest complete); None: init"
     )
+    weights: Path | None = Field(
+        default=None, description="d9d-layout safetensors weights (a converted checkpoint); exclusive of checkpoint"
+    )
     output: Path
     degrees: MeshDegrees = Field(default_factory=lambda: MeshDegrees(dp_shard=-1))
     data_parallel: AnyDataParallelConfig = Field(default_factory=FsdpConfig)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     seed: int = 0
+    tracker: AnyTrackerConfig = Field(
+        default_factory=NoTrackerConfig, description="log the results into this run family (e.g. pretrain's tracker)"
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,9 +86,13 @@ def resolve_checkpoint(path: Path | None) -> Path | None:
 def run_evaluate(config: EvaluateConfig, ctx: DistributedContext) -> EvaluationReport:
     seed_everything(config.seed, ctx)
     checkpoint = resolve_checkpoint(config.checkpoint)
+    if checkpoint is not None and config.weights is not None:
+        raise ValueError(f"checkpoint={config.checkpoint} and weights={config.weights}: set one of them, not both")
     built = model_provider_for(config.model, config.data_parallel)(ctx, None)
     if checkpoint is not None:
         load_model_weights(checkpoint, built.model)
+    elif config.weights is not None:
+        load_converted_weights(config.weights, built.model)
     dataset = PackedTokenDataset(config.shards, seq_len=config.seq_len)
     layout = ctx.layout_for(MeshDomain.BATCH)
     dp_size = layout.shape[layout.dim_names.index("dp")]
@@ -95,8 +114,9 @@ def run_evaluate(config: EvaluateConfig, ctx: DistributedContext) -> EvaluationR
     result = inference.run(steps)
     index = TokenShardIndex.read(config.shards)
     bytes_per_token = index.num_bytes / max(index.num_tokens, 1)
+    source = checkpoint if checkpoint is not None else config.weights
     return EvaluationReport(
-        checkpoint=str(checkpoint) if checkpoint is not None else None,
+        checkpoint=str(source) if source is not None else None,
         loss=result.loss,
         perplexity=result.perplexity,
         bits_per_byte=result.loss / (math.log(2) * bytes_per_token),
@@ -115,16 +135,76 @@ def write_report(report: EvaluationReport, output: Path) -> None:
     (output / "evaluation.md").write_text(markdown, encoding="utf-8")
 
 
+def log_report(report: EvaluationReport, config: EvaluateConfig) -> None:
+    """Log the results as a new run of the training run's family (the same aim experiment, wandb group, JSONL or
+    TensorBoard directory) at the evaluated checkpoint's step; call it on the main process."""
+    step = 0
+    if report.checkpoint is not None and (Path(report.checkpoint) / TRAINER_STATE_FILE).is_file():
+        step = int(json.loads((Path(report.checkpoint) / TRAINER_STATE_FILE).read_text(encoding="utf-8"))["step"])
+    tracker = build_tracker(config.tracker, enabled=True, hparams=config.model_dump(mode="json"), name="evaluate")
+    values = {"loss": report.loss, "perplexity": report.perplexity, "bits_per_byte": report.bits_per_byte}
+    tracker.log(step, {f"evaluate/{name}": value for name, value in values.items()})
+    tracker.close()
+
+
+class EvaluateCandidate(BaseModel):
+    """One model of a suite: its architecture and where its weights come from (neither: the seeded init)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="the report goes into output/<name>/")
+    model: AnyModelConfig
+    checkpoint: Path | None = None
+    weights: Path | None = None
+
+
+class EvaluateSuiteConfig(BaseModel):
+    """Several models over one held-out set, in one launch (the evaluate stage's rank program config)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    candidates: list[EvaluateCandidate] = Field(min_length=1)
+    shards: Path
+    seq_len: int = Field(gt=0)
+    rows_per_step: int = Field(default=8, gt=0)
+    steps: int | None = Field(default=None, ge=1)
+    output: Path
+    degrees: MeshDegrees = Field(default_factory=lambda: MeshDegrees(dp_shard=-1))
+    data_parallel: AnyDataParallelConfig = Field(default_factory=FsdpConfig)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    seed: int = 0
+    tracker: AnyTrackerConfig = Field(default_factory=NoTrackerConfig)
+
+    def single(self, candidate: EvaluateCandidate) -> EvaluateConfig:
+        shared = self.model_dump(exclude={"candidates", "output"})
+        return EvaluateConfig(
+            **shared,
+            model=candidate.model,
+            checkpoint=candidate.checkpoint,
+            weights=candidate.weights,
+            output=self.output / candidate.name,
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, required=True)
+    parser.add_argument("--suite", action="store_true", help="the config is a suite of candidates")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args(argv)
-    config = load_config(EvaluateConfig, args.config, args.overrides)
-    with DistributedContext.build(config.degrees, device=config.device, timeout=timedelta(minutes=10)) as ctx:
-        report = run_evaluate(config, ctx)
-        if ctx.is_main_process:
-            write_report(report, config.output)
+    if args.suite:
+        suite = load_config(EvaluateSuiteConfig, args.config, args.overrides)
+        configs = [suite.single(candidate) for candidate in suite.candidates]
+    else:
+        configs = [load_config(EvaluateConfig, args.config, args.overrides)]
+    first = configs[0]
+    with DistributedContext.build(first.degrees, device=first.device, timeout=timedelta(minutes=10)) as ctx:
+        for config in configs:
+            report = run_evaluate(config, ctx)
+            if ctx.is_main_process:
+                write_report(report, config.output)
+                log_report(report, config)
+                emit_progress({"event": "evaluated", "output": str(config.output)})
     return 0
 
 

@@ -11,6 +11,7 @@ from d9d.core.dist import MeshDegrees
 from d9d.core.loop import TrainerConfig
 from d9d.core.lr import AnyLRScheduleConfig, ConstantScheduleConfig
 from d9d.core.optim import AdamWConfig, AnyOptimizerConfig
+from d9d.metrics.trackers import AnyTrackerConfig, NoTrackerConfig
 from d9d.models import DecoderConfig
 from d9d.models.qwen3 import Qwen3DenseParameters, Qwen3MoeParameters
 from d9d.parallel import AnyDataParallelConfig, FsdpConfig
@@ -56,4 +57,6 @@ class PretrainConfig(BaseModel):
     lr_schedule: AnyLRScheduleConfig = Field(default_factory=ConstantScheduleConfig)
     init_from: Path | None = Field(default=None, description="a d9d-layout safetensors checkpoint to start from")
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    metrics_dir: Path | None = Field(default=None, description="JSONL metrics (rank 0); None: no tracker")
+    tracker: AnyTrackerConfig = Field(
+        default_factory=NoTrackerConfig, description="experiment tracker (rank 0 writes), e.g. jsonl or aim"
+    )

@@ -9,7 +9,7 @@ newest complete checkpoint in `trainer.checkpointing.directory`). No Prefect her
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -25,22 +25,29 @@ from d9d.core.dist import DistributedContext
 from d9d.core.dist.domains import MeshDomain
 from d9d.core.loop import (
     BuiltModel,
-    JsonlTracker,
+    EventBus,
     LoaderDataSource,
     LossResult,
     ModelLoader,
+    StepFinished,
+    TrainingStarted,
     TrainResult,
     build_trainer,
 )
 from d9d.core.lr import build_lr_scheduler
 from d9d.core.optim import build_optimizer
+from d9d.flows.jobs.launch import emit_progress
 from d9d.flows.jobs.pretrain.config import (
     AnyModelConfig,
     PretrainConfig,
+    PretrainDataConfig,
     Qwen3DenseModelConfig,
     Qwen3MoeModelConfig,
 )
+from d9d.flows.jobs.weights import load_converted_weights
+from d9d.metrics.trackers import build_tracker
 from d9d.models import materialize_
+from d9d.models.blocks.moe import aux_loss_weights
 from d9d.models.qwen3 import (
     Qwen3DenseForCausalLM,
     Qwen3MoeForCausalLM,
@@ -48,7 +55,6 @@ from d9d.models.qwen3 import (
     parallelize_qwen3_moe,
 )
 from d9d.parallel import AnyDataParallelConfig, clip_grad_norm_
-from d9d.states import load_model_state
 
 
 class PackedCausalLMTask:
@@ -88,8 +94,13 @@ class MoeBiasBalancer:
             layer.reset_load()
 
 
-def model_provider_for(model_config: AnyModelConfig, data_parallel: AnyDataParallelConfig) -> Any:
-    """Meta -> parallel plan -> materialise -> optional load; MoE models with a router bias get a balancer."""
+def model_provider_for(
+    model_config: AnyModelConfig,
+    data_parallel: AnyDataParallelConfig,
+    prepare: Callable[[nn.Module], object] | None = None,
+) -> Any:
+    """Meta -> `prepare` (e.g. PEFT injection) -> parallel plan -> materialise -> optional load; MoE models with a
+    router bias get a balancer."""
 
     def provide(ctx: DistributedContext, loader: ModelLoader | None) -> BuiltModel:
         model: nn.Module
@@ -97,29 +108,35 @@ def model_provider_for(model_config: AnyModelConfig, data_parallel: AnyDataParal
             case Qwen3DenseModelConfig():
                 with torch.device("meta"):
                     model = Qwen3DenseForCausalLM(model_config.parameters, config=model_config.decoder)
+                if prepare is not None:
+                    prepare(model)
                 sync = parallelize_qwen3_dense(model, ctx, data_parallel)
                 balancer = None
             case Qwen3MoeModelConfig():
                 with torch.device("meta"):
                     model = Qwen3MoeForCausalLM(model_config.parameters, config=model_config.decoder)
+                if prepare is not None:
+                    prepare(model)
                 sync = parallelize_qwen3_moe(model, ctx, data_parallel)
                 balancer = MoeBiasBalancer(model, model_config.expert_bias_rate)
         materialize_(model, ctx.device)
         if loader is not None:
             loader(model)
-        return BuiltModel(model=model, gradient_sync=sync, load_balancer=balancer)
+        return BuiltModel(model=model, gradient_sync=sync, load_balancer=balancer, aux_losses=aux_loss_weights(model))
 
     return provide
 
 
-def data_provider_for(config: PretrainConfig) -> Any:
+def data_provider_for(data: PretrainDataConfig, global_batch_rows: int) -> Any:
+    """Packed rows of a token-shard set, shuffled, endless, split over the data-parallel ranks."""
+
     def provide(ctx: DistributedContext, microbatches: int) -> LoaderDataSource:
-        dataset = PackedTokenDataset(config.data.shards, seq_len=config.data.seq_len)
+        dataset = PackedTokenDataset(data.shards, seq_len=data.seq_len)
         layout = ctx.layout_for(MeshDomain.BATCH)
         loader = DataParallelLoader(
             dataset,
-            order=ShuffledOrder(len(dataset), seed=config.data.shuffle_seed),
-            global_batch_size=config.trainer.global_batch_rows,
+            order=ShuffledOrder(len(dataset), seed=data.shuffle_seed),
+            global_batch_size=global_batch_rows,
             dp_rank=ctx.coordinate(MeshDomain.BATCH)["dp"],
             dp_size=layout.shape[layout.dim_names.index("dp")],
             collate_fn=collate_packed,
@@ -130,8 +147,8 @@ def data_provider_for(config: PretrainConfig) -> Any:
     return provide
 
 
-def run_pretrain(config: PretrainConfig, ctx: DistributedContext) -> TrainResult:
-    """Train on this rank (every rank of the job calls it with the same config)."""
+def run_pretrain(config: PretrainConfig, ctx: DistributedContext, events: EventBus | None = None) -> TrainResult:
+    """Train on this rank (every rank of the job calls it with the same config); `events` sees the loop's events."""
 
     def optimizer_provider(model: nn.Module) -> Optimizer:
         return build_optimizer(config.optimizer, model.parameters())
@@ -144,24 +161,43 @@ def run_pretrain(config: PretrainConfig, ctx: DistributedContext) -> TrainResult
     if init_from is not None:
 
         def load(model: nn.Module) -> None:
-            load_model_state(init_from, model)
+            load_converted_weights(init_from, model)
 
         loader = load
 
-    tracker = JsonlTracker(config.metrics_dir, enabled=ctx.is_main_process) if config.metrics_dir else None
+    tracker = build_tracker(
+        config.tracker, enabled=ctx.is_main_process, hparams=config.model_dump(mode="json"), name="pretrain"
+    )
     trainer = build_trainer(
         ctx,
         config.trainer,
         model_provider=model_provider_for(config.model, config.data_parallel),
         task=PackedCausalLMTask(),
-        data_provider=data_provider_for(config),
+        data_provider=data_provider_for(config.data, config.trainer.global_batch_rows),
         optimizer_provider=optimizer_provider,
         lr_scheduler_provider=lr_provider,
         loader=loader,
         clipper=clip_grad_norm_,
         tracker=tracker,
+        events=events,
     )
-    return trainer.train()
+    result = trainer.train()
+    tracker.close()  # only after a normal return: a crashed attempt must not flush steps it will replay
+    return result
+
+
+def report_progress(events: EventBus, total_steps: int) -> None:
+    """Print each finished step as a launcher progress line (`d9d.flows.jobs.launch`); call it on rank 0."""
+
+    def started(event: TrainingStarted) -> None:
+        resumed = str(event.resumed_from) if event.resumed_from is not None else None
+        emit_progress({"event": "started", "step": event.start_step, "total": total_steps, "resumed_from": resumed})
+
+    def finished(event: StepFinished) -> None:
+        emit_progress({"event": "step", "step": event.step, "total": total_steps, "loss": event.loss})
+
+    events.subscribe(TrainingStarted, started)
+    events.subscribe(StepFinished, finished)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -172,7 +208,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = load_config(PretrainConfig, args.config, args.overrides)
     timeout = timedelta(seconds=config.trainer.collective_timeout_s)
     with DistributedContext.build(config.degrees, device=config.device, timeout=timeout) as ctx:
-        result = run_pretrain(config, ctx)
+        events = EventBus()
+        if ctx.is_main_process:
+            report_progress(events, config.trainer.total_steps)
+        result = run_pretrain(config, ctx, events)
         ctx.logger.info("pretrain finished at step %d (preempted: %s)", result.last_step, result.preempted)
     return 0
 

@@ -1,0 +1,47 @@
+"""The `finetune_data` section: the fine-tune corpus, tokenized with the pretrain data's own tokenizer.
+
+The finetune-data stage is the data-prep stage's code with a `FileTokenizer` on `<data-prep output>/tokenizer.json`,
+so the two shard sets share one vocabulary (a model trained on one reads the other) and a retrained tokenizer
+retokenizes the fine-tune corpus too (the tokenizer file is an input of the stage's key).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from d9d.flows.jobs.data_prep.config import AnyCorpus, AnyTokenizer, DataPrepConfig, EmbeddedCorpus, FileTokenizer
+
+TOKENIZER_FILE = "tokenizer.json"  # the data-prep stage's tokenizer, in its output directory
+
+
+class FinetuneDataConfig(BaseModel):
+    """Which text to fine-tune on and how to split it; the tokenizer is always the pretrain data's."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    corpus: AnyCorpus = Field(default_factory=lambda: EmbeddedCorpus(name="milton"))
+    validation_fraction: float = Field(default=0.15, gt=0.0, lt=1.0, description="whole documents, seeded")
+    seed: int = Field(default=0, description="chooses which documents form the validation split")
+    chunk_bytes: int = Field(default=1 << 19, ge=1024)
+    workers: int = Field(default=2, ge=1)
+    output: Path | None = Field(default=None, description="default: <workdir>/finetune-data")
+    retries: int = Field(default=1, ge=0)
+    retry_delay_seconds: float = Field(default=2.0, ge=0.0)
+
+    def data_prep_config(self, pretrain_data: Path, pretrain_tokenizer: AnyTokenizer, output: Path) -> DataPrepConfig:
+        """The data-prep config that tokenizes this corpus with the tokenizer in `pretrain_data` into `output`."""
+        return DataPrepConfig(
+            corpus=self.corpus,
+            tokenizer=FileTokenizer(path=pretrain_data / TOKENIZER_FILE, eos_token=pretrain_tokenizer.eos_token),
+            output=output,
+            validation_fraction=self.validation_fraction,
+            seed=self.seed,
+            chunk_bytes=self.chunk_bytes,
+            workers=self.workers,
+            retries=self.retries,
+            retry_delay_seconds=self.retry_delay_seconds,
+            # The tokenizer follows the data-prep stage's; when that one changes, this shard set must follow.
+            allow_tokenizer_change=True,
+        )

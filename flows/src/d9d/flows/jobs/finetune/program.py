@@ -1,0 +1,198 @@
+"""The fine-tune rank program: `torchrun --nproc-per-node N -m d9d.flows.jobs.finetune.program --config ft.yaml`.
+
+Every rank runs the same wiring as pretrain (its model and data providers and task), with a PEFT method injected
+into the meta-device model before the parallel plan (so FSDP shards the adapters too), the base weights loaded
+from the pretrain stage's job checkpoint (or d9d-layout safetensors), and an optimizer over the trainable
+parameters only. The `Trainer` resumes from `trainer.checkpointing.directory` (with `trainable_only: true` those
+checkpoints hold only the adapters; the base is loaded first). At the end it writes into `output`:
+
+- `adapter/`: the trained parameters alone (d9d-layout safetensors), with `peft.json` (the method) beside it;
+- `merged/`: the adapters folded into the base weights (d9d-layout safetensors, the base model's names);
+- `hf_peft/` (with `export_hf_peft`): `adapter_model.safetensors` + `adapter_config.json` for HF `peft`;
+- `finetune.json`: validation loss before and after, parameter counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import assert_never
+
+from torch import nn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+
+from d9d.core.config import load_config
+from d9d.core.data import DataParallelLoader, PackedTokenDataset, SequentialOrder, collate_packed
+from d9d.core.dist import DistributedContext
+from d9d.core.dist.domains import MeshDomain
+from d9d.core.loop import EventBus, LoaderDataSource, TrainResult, build_trainer, evaluate
+from d9d.core.loop.reduce import dp_group
+from d9d.core.lr import build_lr_scheduler
+from d9d.core.optim import build_optimizer
+from d9d.flows.jobs.finetune.base import load_base, resolve_base
+from d9d.flows.jobs.finetune.config import FinetuneConfig
+from d9d.flows.jobs.pretrain.config import AnyModelConfig, Qwen3DenseModelConfig, Qwen3MoeModelConfig
+from d9d.flows.jobs.pretrain.program import (
+    PackedCausalLMTask,
+    data_provider_for,
+    model_provider_for,
+    report_progress,
+)
+from d9d.metrics.trackers import build_tracker
+from d9d.models.qwen3 import mapper_to_huggingface_qwen3_dense, mapper_to_huggingface_qwen3_moe
+from d9d.parallel import clip_grad_norm_
+from d9d.peft import PeftInjectionResult, PeftMethod, build_peft_method, inject_peft_and_freeze, merge_peft
+from d9d.peft.export import export_hf_peft_adapter
+from d9d.peft.loading import save_trainable_state
+from d9d.states import save_model_state
+from d9d.states.mapper import ModelStateMapper
+
+REPORT_FILE = "finetune.json"
+
+
+@dataclass(frozen=True, kw_only=True)
+class FinetuneResult:
+    train: TrainResult
+    base: Path
+    validation_loss_before: float | None  # the base model's (fresh adapters change nothing)
+    validation_loss_after: float | None
+    trainable_parameters: int
+    total_parameters: int
+
+
+def validation_loss(config: FinetuneConfig, ctx: DistributedContext, model: nn.Module) -> float | None:
+    """Token-weighted loss over the first `validation.steps` batches of the validation shards (None: none set)."""
+    validation = config.validation
+    if validation is None:
+        return None
+    dataset = PackedTokenDataset(validation.shards, seq_len=config.data.seq_len)
+    group = dp_group(ctx)
+    dp_size = 1 if group is None else group.size()
+    loader = DataParallelLoader(
+        dataset,
+        order=SequentialOrder(len(dataset)),
+        global_batch_size=validation.rows_per_step,
+        dp_rank=ctx.coordinate(MeshDomain.BATCH)["dp"],
+        dp_size=dp_size,
+        collate_fn=collate_packed,
+        epochs=None,
+    )
+    data = LoaderDataSource(loader, 1)
+    return evaluate(model, PackedCausalLMTask(), data, steps=validation.steps, group=group, device=ctx.device).loss
+
+
+def to_hf_mapper(model: AnyModelConfig) -> ModelStateMapper:
+    match model:
+        case Qwen3DenseModelConfig():
+            return mapper_to_huggingface_qwen3_dense(model.parameters)
+        case Qwen3MoeModelConfig():
+            return mapper_to_huggingface_qwen3_moe(model.parameters)
+        case _:
+            assert_never(model)
+
+
+def export_outputs(
+    config: FinetuneConfig,
+    ctx: DistributedContext,
+    model: nn.Module,
+    method: PeftMethod,
+    injection: PeftInjectionResult,
+) -> None:
+    """Adapters first (they are gone once merged), then the merged model; every rank takes part."""
+    output = config.output
+    output.mkdir(parents=True, exist_ok=True)
+    save_trainable_state(output / "adapter", model, overwrite=True)
+    if config.export_hf_peft:
+        export_hf_peft_adapter(model, to_hf_mapper(config.model), output / "hf_peft", write=ctx.is_main_process)
+    merge_peft(method, model)
+    merged = {name: value for name, value in model.state_dict().items() if name not in injection.adapter_names}
+    save_model_state(output / "merged", merged, overwrite=True)
+    if ctx.is_main_process:
+        (output / "peft.json").write_text(config.peft.model_dump_json(indent=2) + "\n", encoding="utf-8")
+
+
+def run_finetune(config: FinetuneConfig, ctx: DistributedContext, events: EventBus | None = None) -> FinetuneResult:
+    """Fine-tune on this rank (every rank of the job calls it with the same config)."""
+    method = build_peft_method(config.peft)
+    base = resolve_base(config.base)
+    injections: list[PeftInjectionResult] = []
+
+    def prepare(model: nn.Module) -> None:
+        injections.append(inject_peft_and_freeze(method, model))
+
+    def load(model: nn.Module) -> None:
+        load_base(base, model, injections[-1])
+
+    def optimizer_provider(model: nn.Module) -> Optimizer:
+        # Only what trains: the optimizer then holds state for the adapters alone.
+        return build_optimizer(config.optimizer, [param for param in model.parameters() if param.requires_grad])
+
+    def lr_provider(optimizer: Optimizer, total_steps: int) -> LRScheduler:
+        return build_lr_scheduler(config.lr_schedule, optimizer, total_steps)
+
+    tracker = build_tracker(
+        config.tracker, enabled=ctx.is_main_process, hparams=config.model_dump(mode="json"), name="finetune"
+    )
+    trainer = build_trainer(
+        ctx,
+        config.trainer,
+        model_provider=model_provider_for(config.model, config.data_parallel, prepare),
+        task=PackedCausalLMTask(),
+        data_provider=data_provider_for(config.data, config.trainer.global_batch_rows),
+        optimizer_provider=optimizer_provider,
+        lr_scheduler_provider=lr_provider,
+        loader=load,
+        clipper=clip_grad_norm_,
+        tracker=tracker,
+        events=events,
+    )
+    model = trainer.parts.model
+    before = validation_loss(config, ctx, model)
+    result = trainer.train()
+    tracker.close()
+    after = validation_loss(config, ctx, model)
+    if not result.preempted:
+        export_outputs(config, ctx, model, method, injections[-1])
+    finetune = FinetuneResult(
+        train=result,
+        base=base,
+        validation_loss_before=before,
+        validation_loss_after=after,
+        trainable_parameters=sum(param.numel() for param in model.parameters() if param.requires_grad),
+        total_parameters=sum(param.numel() for param in model.parameters()),
+    )
+    if ctx.is_main_process and not result.preempted:
+        report = {key: value for key, value in asdict(finetune).items() if key != "train"}
+        report |= {"base": str(base), "last_step": result.last_step}
+        (config.output / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return finetune
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, required=True)
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    args = parser.parse_args(argv)
+    config = load_config(FinetuneConfig, args.config, args.overrides)
+    timeout = timedelta(seconds=config.trainer.collective_timeout_s)
+    with DistributedContext.build(config.degrees, device=config.device, timeout=timeout) as ctx:
+        events = EventBus()
+        if ctx.is_main_process:  # progress lines for the launcher (the fine-tune stage's progress and losses)
+            report_progress(events, config.trainer.total_steps)
+        result = run_finetune(config, ctx, events)
+        ctx.logger.info(
+            "finetune finished at step %d: validation loss %s -> %s",
+            result.train.last_step,
+            result.validation_loss_before,
+            result.validation_loss_after,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

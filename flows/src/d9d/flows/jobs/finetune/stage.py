@@ -1,0 +1,278 @@
+"""The fine-tune stage under the stage contract: the fine-tune rank program under `torchrun`, resumable, committed.
+
+Inputs are the pretrain stage's newest complete job checkpoint (the base), and the finetune-data stage's train and
+validation splits. The model and `seq_len` are the pretrain section's. The adapter-only job checkpoints live in the
+partial directory while the stage runs, so a cancelled or failed attempt resumes from the newest one (the base is
+loaded first); a changed config clears them. The rank program writes `adapter/`, `merged/` (the adapters folded
+into the base, d9d-layout safetensors, what the evaluate stage reads), `peft.json` and `finetune.json` (validation
+loss before and after). No Prefect here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from d9d.core.dist import MeshDegrees
+from d9d.core.loop import CheckpointingConfig, TrainerConfig
+from d9d.core.lr import AnyLRScheduleConfig, ConstantScheduleConfig
+from d9d.core.optim import AdamWConfig, AnyOptimizerConfig
+from d9d.flows.jobs.contract import (
+    MANIFEST_FILENAME,
+    Completeness,
+    FileFingerprint,
+    PartialStage,
+    StageDirectory,
+    StageKey,
+    StageResult,
+    StageStatus,
+    package_versions,
+)
+from d9d.flows.jobs.finetune.config import FinetuneConfig, FinetuneValidationConfig
+from d9d.flows.jobs.finetune.program import REPORT_FILE
+from d9d.flows.jobs.launch import LaunchSpec, launch
+from d9d.flows.jobs.pretrain.config import AnyModelConfig, PretrainDataConfig
+from d9d.flows.jobs.pretrain.stage import (
+    CHECKPOINTS_DIR,
+    LOG_FILE,
+    LOSSES_FILE,
+    TRACKER_DIR,
+    StepTracker,
+    read_losses,
+    tracker_config,
+    tracker_run,
+)
+from d9d.flows.jobs.progress import Progress
+from d9d.metrics.trackers import AnyTrackerConfig
+from d9d.parallel import AnyDataParallelConfig, FsdpConfig
+from d9d.peft import AnyPeftConfig
+from d9d.peft.config import LoRAConfig, LoRAParameters
+
+STAGE_NAME = "finetune"
+STAGE_VERSION = 1
+RECORDED_PACKAGES = ("d9d-core", "d9d-models", "d9d-parallel", "d9d-peft", "d9d-flows", "torch")
+JOB_FILE = "job.yaml"
+MERGED_DIR = "merged"
+
+# LoRA on every attention and MLP projection of the Qwen3 blocks (dense MLPs and grouped experts alike).
+DEFAULT_PEFT = LoRAConfig.model_validate(
+    {
+        "module_name_pattern": r".*\.self_attn\.(q|k|v|o)_proj|.*\.mlp\.(experts\.)?(gate|up|down)_proj",
+        "params": LoRAParameters(r=8, alpha=16.0),
+    }
+)
+
+
+class FinetuneStageConfig(BaseModel):
+    """The `finetune` section of a job: the PEFT method and how long and how wide to train it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    peft: AnyPeftConfig = Field(default=DEFAULT_PEFT, description="LoRA (default), full_tune, or a stack of them")
+    steps: int = Field(default=50, ge=1)
+    global_batch_rows: int = Field(default=16, ge=1, description="rows per optimizer step over all ranks")
+    microbatch_rows: int = Field(default=4, ge=1, description="rows per forward/backward on one rank")
+    checkpoint_every: int | None = Field(default=25, ge=1, description="None: at the end and on SIGTERM only")
+    keep_last: int = Field(default=2, ge=1)
+    max_grad_norm: float | None = Field(default=1.0, gt=0)
+    seed: int = 0
+    shuffle_seed: int = 0
+    optimizer: AnyOptimizerConfig = Field(default_factory=lambda: AdamWConfig(lr=1e-3))
+    lr_schedule: AnyLRScheduleConfig = Field(default_factory=ConstantScheduleConfig)
+    validation_rows_per_step: int = Field(default=8, gt=0, description="finetune.json's before/after loss")
+    validation_steps: int = Field(default=4, ge=1)
+    nproc_per_node: int = Field(default=2, ge=1, description="local ranks under torchrun (gloo on CPU, NCCL on GPUs)")
+    degrees: MeshDegrees = Field(default_factory=lambda: MeshDegrees(dp_shard=-1))
+    data_parallel: AnyDataParallelConfig = Field(default_factory=FsdpConfig)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    grace_seconds: float = Field(default=25.0, gt=0, description="after SIGTERM on cancel, before SIGKILL")
+    tracker: AnyTrackerConfig | None = Field(
+        default=None, description="experiment tracker; None: a JSONL tracker in the stage output's tracker/"
+    )
+    output: Path | None = Field(default=None, description="default: <workdir>/finetune")
+    retries: int = Field(default=0, ge=0)
+    retry_delay_seconds: float = Field(default=10.0, ge=0)
+
+    def key_config(self) -> dict[str, Any]:
+        return {name: value for name, value in self.model_dump(mode="json").items() if name not in _NOT_IN_KEY}
+
+
+# As for pretrain: where and how wide it runs does not change what is trained.
+_NOT_IN_KEY = frozenset(
+    {
+        "nproc_per_node",
+        "degrees",
+        "data_parallel",
+        "device",
+        "grace_seconds",
+        "tracker",
+        "output",
+        "retries",
+        "retry_delay_seconds",
+    }
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FinetuneInputs:
+    """Where the earlier stages put what this one reads, and the pretrain section's model."""
+
+    model: AnyModelConfig
+    seq_len: int
+    pretrain_output: Path
+    data_output: Path  # the finetune-data stage's output (train/ and validation/)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FinetunePlan:
+    config: FinetuneStageConfig
+    inputs: FinetuneInputs
+    output: Path
+    key: StageKey
+
+
+def plan_finetune(config: FinetuneStageConfig, inputs: FinetuneInputs, output: Path) -> FinetunePlan:
+    # A stage's manifest stands for its whole output (it holds every file's checksum).
+    fingerprints = [
+        FileFingerprint.of(inputs.pretrain_output / MANIFEST_FILENAME, name="pretrain/manifest"),
+        FileFingerprint.of(inputs.data_output / MANIFEST_FILENAME, name="finetune-data/manifest"),
+    ]
+    key_config = {
+        **config.key_config(),
+        "model": inputs.model.model_dump(mode="json"),
+        "seq_len": inputs.seq_len,
+    }
+    key = StageKey(stage=STAGE_NAME, stage_version=STAGE_VERSION, config=key_config, inputs=tuple(fingerprints))
+    return FinetunePlan(config=config, inputs=inputs, output=output, key=key)
+
+
+def rank_config(plan: FinetunePlan, root: Path) -> FinetuneConfig:
+    """The rank program's config: adapter-only job checkpoints under `root/checkpoints`, outputs into `root`."""
+    config, inputs = plan.config, plan.inputs
+    return FinetuneConfig(
+        model=inputs.model,
+        base=inputs.pretrain_output / CHECKPOINTS_DIR,
+        peft=config.peft,
+        data=PretrainDataConfig(
+            shards=inputs.data_output / "train", seq_len=inputs.seq_len, shuffle_seed=config.shuffle_seed
+        ),
+        validation=FinetuneValidationConfig(
+            shards=inputs.data_output / "validation",
+            rows_per_step=config.validation_rows_per_step,
+            steps=config.validation_steps,
+        ),
+        trainer=TrainerConfig(
+            total_steps=config.steps,
+            global_batch_rows=config.global_batch_rows,
+            microbatch_rows=config.microbatch_rows,
+            max_grad_norm=config.max_grad_norm,
+            seed=config.seed,
+            checkpointing=CheckpointingConfig(
+                directory=root / CHECKPOINTS_DIR,
+                every_steps=config.checkpoint_every,
+                keep_last=config.keep_last,
+                trainable_only=True,  # the base is the pretrain stage's; only the adapters are new
+            ),
+        ),
+        output=root,
+        degrees=config.degrees,
+        data_parallel=config.data_parallel,
+        optimizer=config.optimizer,
+        lr_schedule=config.lr_schedule,
+        device=config.device,
+        tracker=tracker_config(config.tracker, root),
+    )
+
+
+def run_finetune_stage(plan: FinetunePlan, partial: PartialStage, progress: Progress) -> dict[str, Any]:
+    """Launch the rank program on `nproc_per_node` ranks; returns the run's statistics."""
+    config = plan.config
+    job_file = partial.root / JOB_FILE
+    job_file.write_text(
+        yaml.safe_dump(rank_config(plan, partial.root).model_dump(mode="json"), sort_keys=False), encoding="utf-8"
+    )
+    spec = LaunchSpec(
+        module="d9d.flows.jobs.finetune.program",
+        args=["--config", str(job_file)],
+        nproc_per_node=config.nproc_per_node,
+        log_file=partial.root / LOG_FILE,
+        grace_seconds=config.grace_seconds,
+    )
+    tracker = StepTracker(partial.root / LOSSES_FILE, progress, name=STAGE_NAME)
+    started = datetime.now(UTC)
+    try:
+        launch(spec, on_progress=tracker)
+    finally:
+        progress.finish()
+    losses = read_losses(partial.root / LOSSES_FILE)
+    report_file = partial.root / REPORT_FILE
+    if not losses or max(losses) != config.steps or not report_file.is_file():
+        raise RuntimeError(
+            f"finetune: the rank program exited before step {config.steps} and its export (last step: "
+            f"{max(losses, default=0)}); see {partial.root / LOG_FILE}"
+        )
+    report = json.loads(report_file.read_text(encoding="utf-8"))
+    return {
+        "steps": config.steps,
+        "final_loss": losses[config.steps],
+        "method": config.peft.kind,
+        "validation_loss_before": report["validation_loss_before"],
+        "validation_loss_after": report["validation_loss_after"],
+        "trainable_parameters": report["trainable_parameters"],
+        "total_parameters": report["total_parameters"],
+        "base": report["base"],
+        "tracker": tracker_run(config.tracker, partial.root, plan.output),
+        "ranks": config.nproc_per_node,
+        "resumed_from": tracker.resumed_from,
+        "seconds": round((datetime.now(UTC) - started).total_seconds(), 1),
+    }
+
+
+def commit(
+    directory: StageDirectory, partial: PartialStage, plan: FinetunePlan, statistics: dict[str, Any]
+) -> StageResult:
+    files = [JOB_FILE, LOSSES_FILE, LOG_FILE, REPORT_FILE, "peft.json"]
+    for name in (CHECKPOINTS_DIR, TRACKER_DIR, "adapter", MERGED_DIR):
+        folder = partial.root / name
+        files += sorted(str(path.relative_to(partial.root)) for path in folder.rglob("*") if path.is_file())
+    manifest = directory.commit(
+        partial,
+        plan.key,
+        outputs=files,
+        packages=package_versions(RECORDED_PACKAGES),
+        statistics=statistics,
+        created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+    )
+    return result_of(plan.output, "ran", "", manifest.statistics)
+
+
+def skipped(plan: FinetunePlan, completeness: Completeness) -> StageResult:
+    assert completeness.manifest is not None
+    return result_of(plan.output, "skipped", f"up to date: {completeness.reason}", completeness.manifest.statistics)
+
+
+def result_of(output: Path, status: StageStatus, reason: str, statistics: dict[str, Any]) -> StageResult:
+    artifacts = {
+        "merged weights": str(output / MERGED_DIR),
+        "adapter": str(output / "adapter"),
+        "checkpoints": str(output / CHECKPOINTS_DIR),
+        "losses": str(output / LOSSES_FILE),
+    }
+    tracker = statistics.get("tracker")
+    if isinstance(tracker, dict) and tracker.get("kind") != "none":
+        artifacts["tracker run"] = f"{tracker['kind']} {tracker['run_id']}: {tracker['location']}"
+    return StageResult(
+        stage=STAGE_NAME,
+        status=status,
+        reason=reason,
+        output=str(output),
+        manifest=str(output / MANIFEST_FILENAME),
+        artifacts=artifacts,
+        statistics=dict(statistics),
+    )

@@ -1,0 +1,267 @@
+"""Run a rank program under `torchrun`, stream its output, and make sure no rank outlives a cancelled launch.
+
+`torchrun` starts every rank in a session of its own, so signalling torchrun's process group does not reach the
+ranks. The launcher therefore starts torchrun in a new session (Ctrl-C on the terminal reaches only `d9d`), keeps
+a record of torchrun's descendants while it runs, and on SIGINT/SIGTERM (Ctrl-C, `kill`, Prefect's cancellation
+of a flow run) sends SIGTERM to torchrun and to every rank at once: the Trainer's ranks then agree to stop, finish
+the step and write a complete checkpoint. Whatever is left after `grace_seconds` gets SIGKILL. The signal is then
+handed to the handler that was installed before (so Prefect or the `d9d` command report the interruption).
+
+Rank 0 reports progress as lines `d9d-progress {json}` on stdout (see `progress_line`); every other line is
+copied to the launch log and, if asked, to a callback. No Prefect here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import IO, Any
+
+import psutil
+
+PROGRESS_PREFIX = "d9d-progress "
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class LaunchError(RuntimeError):
+    """The rank program exited with a failure (names the exit code and the log)."""
+
+
+class LaunchCancelled(RuntimeError):
+    """The launch was stopped by a signal; every rank has been stopped (names the signal)."""
+
+    def __init__(self, signum: int, message: str) -> None:
+        super().__init__(message)
+        self.signum = signum
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchSpec:
+    """One `torchrun` launch of `python -m module args...` on `nproc_per_node` local ranks."""
+
+    module: str
+    args: Sequence[str]
+    nproc_per_node: int
+    log_file: Path
+    grace_seconds: float = 60.0
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+def progress_line(record: Mapping[str, Any]) -> str:
+    """The stdout line a rank program prints to report progress to the launcher."""
+    return PROGRESS_PREFIX + json.dumps(dict(record), separators=(",", ":"))
+
+
+def emit_progress(record: Mapping[str, Any]) -> None:
+    """Report progress to the launcher (rank 0 of a rank program calls it; a plain run just prints the line)."""
+    sys.stdout.write(progress_line(record) + "\n")
+    sys.stdout.flush()
+
+
+def torchrun_command(spec: LaunchSpec) -> list[str]:
+    # A rendezvous on a free local port, so two launches on one machine never collide.
+    return [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={spec.nproc_per_node}",
+        "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", "--max-restarts=0",
+        "-m", spec.module, *spec.args,
+    ]  # fmt: skip
+
+
+def launch(
+    spec: LaunchSpec,
+    *,
+    on_progress: Callable[[dict[str, Any]], None] | None = None,
+    on_line: Callable[[str], None] | None = None,
+) -> None:
+    """Run `spec` to the end. Raises `LaunchError` on a failed exit, `LaunchCancelled` after a stop signal."""
+    spec.log_file.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **spec.env}
+    env.setdefault("OMP_NUM_THREADS", "1")  # N ranks on N cores; torch's default would oversubscribe them
+    with spec.log_file.open("a", encoding="utf-8") as log:
+        log.write(f"$ {' '.join(torchrun_command(spec))}\n")
+        log.flush()
+        process = subprocess.Popen(
+            torchrun_command(spec),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        stopper = _Stopper(process, spec.grace_seconds)
+        with stopper.signals_forwarded():
+            output_ended = False
+            try:
+                _pump(process, stopper, log, on_progress, on_line)
+                output_ended = True
+            finally:
+                # Also when the pump is interrupted (an exception from another signal handler, e.g. Prefect's).
+                stopper.stop_all(output_ended=output_ended)
+        code = process.wait()
+    if stopper.signum is not None:
+        name = signal.Signals(stopper.signum).name
+        stopper.redeliver()
+        raise LaunchCancelled(stopper.signum, f"{spec.module} stopped by {name}; every rank has exited")
+    if code != 0:
+        raise LaunchError(
+            f"{spec.module} failed with exit code {code} on {spec.nproc_per_node} ranks; see {spec.log_file}"
+        )
+
+
+def _pump(
+    process: subprocess.Popen[str],
+    stopper: _Stopper,
+    log: IO[str],
+    on_progress: Callable[[dict[str, Any]], None] | None,
+    on_line: Callable[[str], None] | None,
+) -> None:
+    """Copy output lines until the process ends; the reader is a thread so that signals are seen promptly."""
+    lines: queue.Queue[str | None] = queue.Queue()
+    assert process.stdout is not None
+    stdout = process.stdout
+
+    def read() -> None:
+        for line in stdout:
+            lines.put(line)
+        lines.put(None)
+
+    reader = threading.Thread(target=read, name="d9d-launch-reader", daemon=True)
+    reader.start()
+    while True:
+        stopper.watch()
+        try:
+            line = lines.get(timeout=0.2)
+        except queue.Empty:
+            continue
+        if line is None:
+            break
+        if line.startswith(PROGRESS_PREFIX):
+            if on_progress is not None:
+                on_progress(json.loads(line[len(PROGRESS_PREFIX) :]))
+            continue
+        log.write(line)
+        log.flush()
+        if on_line is not None:
+            on_line(line.rstrip("\n"))
+    reader.join(timeout=5)
+
+
+class _Stopper:
+    """Tracks torchrun's process tree and stops all of it: SIGTERM first, SIGKILL after the grace period."""
+
+    def __init__(self, process: subprocess.Popen[str], grace_seconds: float) -> None:
+        self._process = process
+        self._grace = grace_seconds
+        self._known: dict[int, psutil.Process] = {}
+        self._deadline: float | None = None
+        self._previous: dict[int, Any] = {}
+        self.signum: int | None = None
+        self._last_scan = 0.0
+
+    # Signals ---------------------------------------------------------------------------------------------------
+
+    def signals_forwarded(self) -> _Forwarding:
+        return _Forwarding(self)
+
+    def on_signal(self, signum: int, frame: FrameType | None) -> None:
+        del frame
+        if self.signum is None:
+            self.signum = signum
+            self._deadline = time.monotonic() + self._grace
+            self._scan()
+            self._signal_all(signal.SIGTERM)
+
+    def redeliver(self) -> None:
+        """Hand the stop signal to the handler that was there before (Prefect's, the CLI's, or the default)."""
+        assert self.signum is not None
+        previous = self._previous.get(self.signum)
+        if callable(previous):
+            previous(self.signum, None)
+        elif previous == signal.SIG_DFL and self.signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        elif previous == signal.SIG_DFL:
+            signal.signal(self.signum, signal.SIG_DFL)
+            os.kill(os.getpid(), self.signum)
+
+    # The process tree ------------------------------------------------------------------------------------------
+
+    def watch(self) -> None:
+        """Called every poll: remember new descendants (ranks), and SIGKILL what outlives the grace period."""
+        now = time.monotonic()
+        if now - self._last_scan >= 1.0:
+            self._scan()
+        if self._deadline is not None and now >= self._deadline:
+            self._signal_all(signal.SIGKILL)
+
+    def stop_all(self, *, output_ended: bool) -> None:
+        """Leave nothing running: torchrun and every rank it ever had (SIGTERM, wait the grace period, SIGKILL)."""
+        self._scan()
+        if output_ended and self.signum is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._process.wait(timeout=10)  # its output ended: torchrun is on its way out
+        # torchrun is reaped through Popen (so its exit code survives), the ranks through psutil.
+        ranks = [proc for proc in self._alive() if proc.pid != self._process.pid]
+        if self._process.poll() is None or ranks:
+            self._signal_all(signal.SIGTERM)
+            deadline = self._deadline if self._deadline is not None else time.monotonic() + self._grace
+            try:
+                self._process.wait(timeout=max(deadline - time.monotonic(), 0.0))
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+            _, ranks = psutil.wait_procs(ranks, timeout=max(deadline - time.monotonic(), 0.0))
+            for proc in ranks:
+                _send(proc, signal.SIGKILL)
+            psutil.wait_procs(ranks, timeout=10)
+
+    def _scan(self) -> None:
+        self._last_scan = time.monotonic()
+        try:
+            root = psutil.Process(self._process.pid)
+            tree = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return
+        for proc in tree:
+            self._known.setdefault(proc.pid, proc)
+
+    def _alive(self) -> list[psutil.Process]:
+        # psutil.Process.is_running compares the creation time too, so a reused pid is never signalled.
+        return [proc for proc in self._known.values() if proc.is_running()]
+
+    def _signal_all(self, signum: int) -> None:
+        for proc in self._alive():
+            _send(proc, signum)
+
+
+class _Forwarding:
+    """Install the stopper's handler for SIGINT and SIGTERM while the launch runs (main thread only)."""
+
+    def __init__(self, stopper: _Stopper) -> None:
+        self._stopper = stopper
+
+    def __enter__(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signals reach only the main thread; a caller elsewhere stops us by its own means
+        for signum in _STOP_SIGNALS:
+            self._stopper._previous[signum] = signal.signal(signum, self._stopper.on_signal)
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, previous in self._stopper._previous.items():
+            if signal.getsignal(signum) == self._stopper.on_signal:  # unless someone installed another since
+                signal.signal(signum, previous)
+
+
+def _send(proc: psutil.Process, signum: int) -> None:
+    with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+        proc.send_signal(signum)

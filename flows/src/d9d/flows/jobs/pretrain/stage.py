@@ -1,0 +1,355 @@
+"""The pretrain stage under the stage contract: the rank program under `torchrun`, resumable, committed once done.
+
+Inputs are the data-prep stage's train split and, when `init_from="convert"` and the shapes agree, the convert
+stage's checkpoint. The job checkpoints live in the stage's partial directory while it runs, so a cancelled or
+failed attempt leaves them there and the next attempt (a Prefect retry, or the same command again) resumes from
+the newest complete one; a changed config clears them first. No Prefect here.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from d9d.core.dist import MeshDegrees
+from d9d.core.loop import CheckpointingConfig, TrainerConfig
+from d9d.core.lr import AnyLRScheduleConfig, ConstantScheduleConfig
+from d9d.core.optim import AdamWConfig, AnyOptimizerConfig
+from d9d.flows.jobs.contract import (
+    MANIFEST_FILENAME,
+    Completeness,
+    FileFingerprint,
+    PartialStage,
+    StageDirectory,
+    StageKey,
+    StageResult,
+    StageStatus,
+    package_versions,
+)
+from d9d.flows.jobs.launch import LaunchSpec, launch
+from d9d.flows.jobs.pretrain.config import AnyModelConfig, PretrainConfig, PretrainDataConfig, Qwen3DenseModelConfig
+from d9d.flows.jobs.progress import Progress
+from d9d.metrics.trackers import AnyTrackerConfig
+from d9d.metrics.trackers.config import (
+    AimTrackerConfig,
+    JsonlTrackerConfig,
+    NoTrackerConfig,
+    TensorBoardTrackerConfig,
+    WandbTrackerConfig,
+)
+from d9d.models.qwen3 import Qwen3DenseParameters, Qwen3MoeParameters
+from d9d.parallel import AnyDataParallelConfig, FsdpConfig
+
+STAGE_NAME = "pretrain"
+STAGE_VERSION = 1
+RECORDED_PACKAGES = ("d9d-core", "d9d-models", "d9d-parallel", "d9d-flows", "torch")
+JOB_FILE = "job.yaml"
+LOSSES_FILE = "losses.jsonl"
+LOG_FILE = "launch.log"
+CHECKPOINTS_DIR = "checkpoints"
+TRACKER_DIR = "tracker"
+RUN_KEY_FILE = "run-key.json"
+PARAMETERS_FILE = "parameters.json"  # written next to a converted checkpoint by the convert stage
+
+DEFAULT_MODEL = Qwen3DenseModelConfig(
+    parameters=Qwen3DenseParameters(
+        vocab_size=4096, hidden_size=64, intermediate_size=128, num_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+    )
+)  # fmt: skip
+
+
+class PretrainStageConfig(BaseModel):
+    """The `pretrain` section of a job: the model and how long and how wide to train it.
+
+    `init_from="convert"` starts from the convert stage's checkpoint when its parameters equal `model.parameters`
+    (same family and shapes); otherwise, and with `"random"`, the model starts from its seeded initialisation.
+    The stage records which one it used.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: AnyModelConfig = Field(default=DEFAULT_MODEL)
+    seq_len: int = Field(default=128, gt=0, description="tokens per packed row")
+    steps: int = Field(default=100, ge=1)
+    global_batch_rows: int = Field(default=16, ge=1, description="rows per optimizer step over all ranks")
+    microbatch_rows: int = Field(default=4, ge=1, description="rows per forward/backward on one rank")
+    checkpoint_every: int | None = Field(default=50, ge=1, description="None: at the end and on SIGTERM only")
+    keep_last: int = Field(default=2, ge=1)
+    max_grad_norm: float | None = Field(default=1.0, gt=0)
+    seed: int = 0
+    shuffle_seed: int = 0
+    optimizer: AnyOptimizerConfig = Field(default_factory=AdamWConfig)
+    lr_schedule: AnyLRScheduleConfig = Field(default_factory=ConstantScheduleConfig)
+    init_from: Literal["convert", "random"] = "convert"
+    nproc_per_node: int = Field(default=2, ge=1, description="local ranks under torchrun (gloo on CPU, NCCL on GPUs)")
+    degrees: MeshDegrees = Field(default_factory=lambda: MeshDegrees(dp_shard=-1))
+    data_parallel: AnyDataParallelConfig = Field(default_factory=FsdpConfig)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # Below the 30 s a Prefect runner waits before it SIGKILLs a cancelled flow-run process (and with it the launcher).
+    grace_seconds: float = Field(default=25.0, gt=0, description="after SIGTERM on cancel, before SIGKILL")
+    tracker: AnyTrackerConfig | None = Field(
+        default=None, description="experiment tracker; None: a JSONL tracker in the stage output's tracker/"
+    )
+    output: Path | None = Field(default=None, description="default: <workdir>/pretrain")
+    retries: int = Field(default=0, ge=0)
+    retry_delay_seconds: float = Field(default=10.0, ge=0)
+
+    def key_config(self) -> dict[str, Any]:
+        return {name: value for name, value in self.model_dump(mode="json").items() if name not in _NOT_IN_KEY}
+
+
+# Settings that do not change what is trained (how many ranks, where, how patiently) stay out of the key: a
+# checkpoint resumes on another data-parallel size with the same global batch.
+_NOT_IN_KEY = frozenset(
+    {
+        "nproc_per_node",
+        "degrees",
+        "data_parallel",
+        "device",
+        "grace_seconds",
+        "tracker",
+        "output",
+        "retries",
+        "retry_delay_seconds",
+    }
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PretrainPlan:
+    config: PretrainStageConfig
+    train_shards: Path
+    output: Path
+    init_from: Path | None
+    init_note: str
+    key: StageKey
+
+
+def init_checkpoint(config: PretrainStageConfig, convert_checkpoint: Path) -> tuple[Path | None, str]:
+    """The checkpoint to start from and why: the convert output when its parameters equal the model's."""
+    if config.init_from == "random":
+        return None, "random initialisation (init_from=random)"
+    parameters_file = convert_checkpoint / PARAMETERS_FILE
+    if not parameters_file.is_file():
+        return None, f"random initialisation ({parameters_file} does not exist)"
+    raw = json.loads(parameters_file.read_text(encoding="utf-8"))
+    theirs: Qwen3DenseParameters
+    family = "qwen3_moe" if "num_experts" in raw else "qwen3_dense"
+    theirs = (
+        Qwen3MoeParameters.model_validate(raw) if family == "qwen3_moe" else Qwen3DenseParameters.model_validate(raw)
+    )
+    ours = config.model.parameters
+    if family != config.model.kind or theirs != ours:
+        return None, (
+            f"random initialisation (the convert output is a {family} with vocab_size={theirs.vocab_size}, "
+            f"hidden_size={theirs.hidden_size}; pretrain.model is a {config.model.kind} with "
+            f"vocab_size={ours.vocab_size}, hidden_size={ours.hidden_size})"
+        )
+    return convert_checkpoint, f"the convert output {convert_checkpoint}"
+
+
+def plan_pretrain(
+    config: PretrainStageConfig, output: Path, train_shards: Path, convert_checkpoint: Path
+) -> PretrainPlan:
+    init_from, init_note = init_checkpoint(config, convert_checkpoint)
+    inputs = [
+        FileFingerprint.of(path, name=f"train/{path.relative_to(train_shards)}")
+        for path in sorted(train_shards.rglob("*"))
+        if path.is_file()
+    ]
+    if init_from is not None:
+        inputs += [
+            FileFingerprint.of(path, name=f"init/{path.relative_to(init_from)}")
+            for path in sorted(init_from.rglob("*"))
+            if path.is_file()
+        ]
+    key = StageKey(stage=STAGE_NAME, stage_version=STAGE_VERSION, config=config.key_config(), inputs=tuple(inputs))
+    return PretrainPlan(
+        config=config, train_shards=train_shards, output=output, init_from=init_from, init_note=init_note, key=key
+    )
+
+
+def rank_config(plan: PretrainPlan, checkpoints: Path) -> PretrainConfig:
+    """The rank program's config for this plan, checkpointing into `checkpoints`."""
+    config = plan.config
+    return PretrainConfig(
+        model=config.model,
+        data=PretrainDataConfig(shards=plan.train_shards, seq_len=config.seq_len, shuffle_seed=config.shuffle_seed),
+        trainer=TrainerConfig(
+            total_steps=config.steps,
+            global_batch_rows=config.global_batch_rows,
+            microbatch_rows=config.microbatch_rows,
+            max_grad_norm=config.max_grad_norm,
+            seed=config.seed,
+            checkpointing=CheckpointingConfig(
+                directory=checkpoints, every_steps=config.checkpoint_every, keep_last=config.keep_last
+            ),
+        ),
+        degrees=config.degrees,
+        data_parallel=config.data_parallel,
+        optimizer=config.optimizer,
+        lr_schedule=config.lr_schedule,
+        init_from=plan.init_from,
+        device=config.device,
+        tracker=tracker_config(config.tracker, checkpoints.parent),
+    )
+
+
+def tracker_config(configured: AnyTrackerConfig | None, root: Path) -> AnyTrackerConfig:
+    """The configured tracker, or the default: JSONL files in `root/tracker` (they move with the stage output)."""
+    return configured if configured is not None else JsonlTrackerConfig(directory=root / TRACKER_DIR)
+
+
+def tracker_run(configured: AnyTrackerConfig | None, partial: Path, output: Path) -> dict[str, str]:
+    """The tracker run: its kind, its id (from the newest checkpoint in `partial`), where it is once committed."""
+    tracker = tracker_config(configured, output)
+    checkpoints = sorted((partial / CHECKPOINTS_DIR).glob("step-*/trainer_state.json"))
+    run_id = str(json.loads(checkpoints[-1].read_text(encoding="utf-8")).get("tracker_run_id")) if checkpoints else ""
+    match tracker:
+        case JsonlTrackerConfig():
+            location = str(tracker.directory / f"{run_id}.jsonl")
+        case TensorBoardTrackerConfig():
+            location = str(tracker.directory / run_id)
+        case AimTrackerConfig():
+            location = f"aim repository {tracker.repo}, experiment {tracker.experiment}"
+        case WandbTrackerConfig():
+            location = f"wandb {tracker.mode} run in {tracker.directory / 'wandb'}"
+        case NoTrackerConfig():
+            location = "none"
+    return {"kind": tracker.kind, "run_id": run_id, "location": location}
+
+
+def prepare_partial(partial: PartialStage, key: StageKey) -> str:
+    """Keep the partial directory's checkpoints when they were made for this key; clear them otherwise."""
+    record = partial.root / RUN_KEY_FILE
+    try:
+        previous = json.loads(record.read_text(encoding="utf-8"))["key"]
+    except (OSError, ValueError, KeyError):
+        previous = None
+    checkpoints = partial.root / CHECKPOINTS_DIR
+    if previous != key.digest:
+        for name in (CHECKPOINTS_DIR, LOSSES_FILE):
+            path = partial.root / name
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+        record.write_text(json.dumps({"key": key.digest}), encoding="utf-8")
+        return "a fresh run"
+    found = sorted(checkpoints.glob("step-*/COMPLETE")) if checkpoints.is_dir() else []
+    return f"resuming from {found[-1].parent.name}" if found else "a fresh run (no complete checkpoint yet)"
+
+
+def run_pretrain_stage(plan: PretrainPlan, partial: PartialStage, progress: Progress) -> dict[str, Any]:
+    """Launch the rank program on `nproc_per_node` ranks; returns the run's statistics."""
+    config = plan.config
+    job_file = partial.root / JOB_FILE
+    job_file.write_text(
+        yaml.safe_dump(rank_config(plan, partial.root / CHECKPOINTS_DIR).model_dump(mode="json"), sort_keys=False),
+        encoding="utf-8",
+    )
+    spec = LaunchSpec(
+        module="d9d.flows.jobs.pretrain.program",
+        args=["--config", str(job_file)],
+        nproc_per_node=config.nproc_per_node,
+        log_file=partial.root / LOG_FILE,
+        grace_seconds=config.grace_seconds,
+    )
+    tracker = StepTracker(partial.root / LOSSES_FILE, progress, name=STAGE_NAME)
+    started = datetime.now(UTC)
+    try:
+        launch(spec, on_progress=tracker)
+    finally:
+        progress.finish()
+    losses = read_losses(partial.root / LOSSES_FILE)
+    if not losses or max(losses) != config.steps:
+        raise RuntimeError(
+            f"pretrain: the rank program exited before step {config.steps} (last: {max(losses, default=0)}); "
+            f"see {partial.root / LOG_FILE}"
+        )
+    return {
+        "steps": config.steps,
+        "final_loss": losses[config.steps],
+        "tracker": tracker_run(config.tracker, partial.root, plan.output),
+        "ranks": config.nproc_per_node,
+        "init": plan.init_note,
+        "resumed_from": tracker.resumed_from,
+        "seconds": round((datetime.now(UTC) - started).total_seconds(), 1),
+    }
+
+
+class StepTracker:
+    """Turns a training rank program's progress lines into progress updates and a losses file (step -> loss)."""
+
+    def __init__(self, path: Path, progress: Progress, *, name: str) -> None:
+        self._path = path
+        self._name = name
+        self._progress = progress
+        self.resumed_from: str | None = None
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        match record.get("event"):
+            case "started":
+                self.resumed_from = record.get("resumed_from")
+                self._progress.start(self._name, float(record["total"]), "steps")
+                if record["step"]:
+                    self._progress.advance(float(record["step"]), f"resumed from {self.resumed_from}")
+            case "step":
+                with self._path.open("a", encoding="utf-8") as handle:
+                    handle.write(json.dumps({"step": record["step"], "loss": record["loss"]}) + "\n")
+                self._progress.advance(1.0, f"loss {record['loss']:.3f}")
+
+
+def read_losses(path: Path) -> dict[int, float]:
+    """Step -> training loss; a step recorded by several attempts keeps its last value."""
+    if not path.is_file():
+        return {}
+    records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return {int(record["step"]): float(record["loss"]) for record in records}
+
+
+def commit(
+    directory: StageDirectory, partial: PartialStage, plan: PretrainPlan, statistics: dict[str, Any]
+) -> StageResult:
+    checkpoints = partial.root / CHECKPOINTS_DIR
+    files = [JOB_FILE, LOSSES_FILE, LOG_FILE]
+    for folder in (checkpoints, partial.root / TRACKER_DIR):
+        files += sorted(str(path.relative_to(partial.root)) for path in folder.rglob("*") if path.is_file())
+    manifest = directory.commit(
+        partial,
+        plan.key,
+        outputs=files,
+        packages=package_versions(RECORDED_PACKAGES),
+        statistics=statistics,
+        created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+    )
+    return result_of(plan.output, "ran", "", manifest.statistics)
+
+
+def skipped(plan: PretrainPlan, completeness: Completeness) -> StageResult:
+    assert completeness.manifest is not None
+    return result_of(plan.output, "skipped", f"up to date: {completeness.reason}", completeness.manifest.statistics)
+
+
+def result_of(output: Path, status: StageStatus, reason: str, statistics: dict[str, Any]) -> StageResult:
+    artifacts = {"checkpoints": str(output / CHECKPOINTS_DIR), "losses": str(output / LOSSES_FILE)}
+    tracker = statistics.get("tracker")
+    if isinstance(tracker, dict) and tracker.get("kind") != "none":
+        artifacts["tracker run"] = f"{tracker['kind']} {tracker['run_id']}: {tracker['location']}"
+    return StageResult(
+        stage=STAGE_NAME,
+        status=status,
+        reason=reason,
+        output=str(output),
+        manifest=str(output / MANIFEST_FILENAME),
+        artifacts=artifacts,
+        statistics=dict(statistics),
+    )

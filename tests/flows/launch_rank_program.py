@@ -1,0 +1,43 @@
+"""A stand-in rank program for the launcher tests, run by torchrun: `-m launch_rank_program DIR MODE`.
+
+Each rank writes its pid to DIR/rank-R.pid, rank 0 reports progress lines, then by MODE: `finish` exits 0 after three
+steps, `fail` exits 3 on rank 1, `wait` runs until SIGTERM and then writes DIR/rank-R.stopped (what the Trainer
+does: finish the step, checkpoint, exit), `stubborn` ignores SIGTERM (so only SIGKILL ends it).
+"""
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from d9d.flows.jobs.launch import emit_progress
+
+
+def main() -> int:
+    out, mode = Path(sys.argv[1]), sys.argv[2]
+    rank = int(os.environ["RANK"])
+    stop = {"asked": False}
+    if mode == "stubborn":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    else:
+        signal.signal(signal.SIGTERM, lambda *_: stop.update(asked=True))
+    (out / f"rank-{rank}.pid").write_text(str(os.getpid()))
+    if rank == 0:
+        emit_progress({"event": "started", "step": 0, "total": 3})
+    if mode == "finish":
+        for step in (1, 2, 3):
+            if rank == 0:
+                emit_progress({"event": "step", "step": step, "total": 3, "loss": 1.0 / step})
+            print(f"rank {rank} step {step}", flush=True)
+        return 0
+    if mode == "fail":
+        return 3 if rank == 1 else 0
+    while not stop["asked"]:
+        time.sleep(0.05)
+    (out / f"rank-{rank}.stopped").write_text("checkpointed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""The launcher against real torchrun process groups (a stand-in rank program, 2 ranks): output and progress are
+streamed, a failure names its exit code, and a stop signal leaves no rank alive, SIGKILLing those that ignore SIGTERM.
+
+Isolated: the launcher reads output in a thread, and these tests signal the pytest process itself.
+"""
+
+import signal
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from d9d.flows.jobs.launch import LaunchCancelled, LaunchError, LaunchSpec, launch
+
+pytestmark = pytest.mark.isolated
+
+HERE = Path(__file__).parent
+
+
+def _spec(tmp_path: Path, mode: str, grace: float = 20.0) -> LaunchSpec:
+    return LaunchSpec(
+        module="launch_rank_program",
+        args=[str(tmp_path), mode],
+        nproc_per_node=2,
+        log_file=tmp_path / "launch.log",
+        grace_seconds=grace,
+        env={"PYTHONPATH": str(HERE)},
+    )
+
+
+def _rank_pids(tmp_path: Path) -> list[int]:
+    return [int(path.read_text()) for path in sorted(tmp_path.glob("rank-*.pid"))]
+
+
+def _signal_when_ranks_run(tmp_path: Path, signum: int) -> threading.Thread:
+    def send() -> None:
+        deadline = time.monotonic() + 60
+        while len(_rank_pids(tmp_path)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        signal.raise_signal(signum)
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_progress_lines_reach_the_callback_and_other_lines_the_log(tmp_path):
+    records, lines = [], []
+    launch(_spec(tmp_path, "finish"), on_progress=records.append, on_line=lines.append)
+    assert [record["step"] for record in records] == [0, 1, 2, 3]
+    assert records[-1]["loss"] == pytest.approx(1 / 3)
+    assert "rank 1 step 3" in lines
+    log = (tmp_path / "launch.log").read_text()
+    assert "rank 0 step 2" in log and "d9d-progress" not in log
+
+
+def test_a_failing_rank_fails_the_launch_naming_the_exit_code_and_the_log(tmp_path):
+    with pytest.raises(LaunchError, match=r"exit code 1 on 2 ranks; see .*launch.log"):
+        launch(_spec(tmp_path, "fail"))
+    assert not any(psutil.pid_exists(pid) for pid in _rank_pids(tmp_path))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_stops_every_rank_after_it_checkpoints_then_reaches_the_previous_handler(tmp_path, signum):
+    seen = []
+
+    def previous(number, frame):
+        seen.append(number)
+
+    old = signal.signal(signum, previous)
+    try:
+        _signal_when_ranks_run(tmp_path, signum)
+        with pytest.raises(LaunchCancelled) as cancelled:
+            launch(_spec(tmp_path, "wait"))
+    finally:
+        signal.signal(signum, old)
+    assert cancelled.value.signum == signum
+    assert seen == [signum]  # Prefect's handler (or the CLI's) still hears about it
+    assert sorted(path.name for path in tmp_path.glob("rank-*.stopped")) == ["rank-0.stopped", "rank-1.stopped"]
+    assert not any(psutil.pid_exists(pid) for pid in _rank_pids(tmp_path))
+
+
+def test_ranks_that_ignore_sigterm_are_killed_after_the_grace_period(tmp_path):
+    old = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        _signal_when_ranks_run(tmp_path, signal.SIGTERM)
+        started = time.monotonic()
+        with pytest.raises(LaunchCancelled):
+            launch(_spec(tmp_path, "stubborn", grace=2.0))
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    pids = _rank_pids(tmp_path)
+    assert len(pids) == 2
+    assert not any(psutil.pid_exists(pid) for pid in pids)
+    assert time.monotonic() - started < 60
+
+
+def test_an_exception_while_streaming_still_stops_every_rank(tmp_path):
+    """E.g. Prefect's own SIGTERM handler, armed after the launch began, raising inside the launcher's loop."""
+
+    def interrupted(record):
+        while len(_rank_pids(tmp_path)) < 2:
+            time.sleep(0.05)
+        raise RuntimeError("interrupted by another handler")
+
+    with pytest.raises(RuntimeError, match="interrupted by another handler"):
+        launch(_spec(tmp_path, "wait"), on_progress=interrupted)
+    assert sorted(path.name for path in tmp_path.glob("rank-*.stopped")) == ["rank-0.stopped", "rank-1.stopped"]
+    assert not any(psutil.pid_exists(pid) for pid in _rank_pids(tmp_path))
