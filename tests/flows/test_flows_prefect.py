@@ -40,11 +40,15 @@ def test_pipeline_runs_then_skips_then_redoes_what_was_deleted(prefect_api, tmp_
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "data-prep: ran" in out
-    assert "convert: ran" in out  # the pipeline's second stage: a random tiny HF checkpoint through a named mapping
-    assert StageManifest.read(tmp_path / "model").created_at
+    assert "finetune-data: ran" in out
+    # A random HF checkpoint of the pretrain model's architecture through the matching named mapping: the base.
+    assert "convert: ran" in out
+    assert StageManifest.read(tmp_path / "model").statistics["mapping"] == "qwen3-hf-to-d9d"
     for path in (output, output / "tokenizer.json", output / "train", output / "validation", output / "manifest.json"):
         assert str(path) in out
+    _check_finetune_data(tmp_path)
     _check_pretrain_and_evaluate(tmp_path, out)
+    _check_finetune(tmp_path, out)
     created = StageManifest.read(output).created_at
     pretrained = StageManifest.read(tmp_path / "pretrain").created_at
     shard_times = {path: path.stat().st_mtime_ns for path in output.rglob("*.d9dtok")}
@@ -53,7 +57,8 @@ def test_pipeline_runs_then_skips_then_redoes_what_was_deleted(prefect_api, tmp_
     out = capsys.readouterr().out
     assert "data-prep: skipped (up to date: manifest matches config and inputs)" in out
     assert "convert: skipped" in out
-    assert "pretrain: skipped (up to date" in out and "evaluate: skipped (up to date" in out
+    for stage in ("finetune-data", "pretrain", "finetune", "evaluate"):
+        assert f"{stage}: skipped (up to date" in out
     assert StageManifest.read(output).created_at == created
     assert {path: path.stat().st_mtime_ns for path in output.rglob("*.d9dtok")} == shard_times
 
@@ -81,6 +86,7 @@ def _check_pretrain_and_evaluate(workdir, out):
 
     assert "pretrain: ran" in out and "evaluate: ran" in out
     statistics = StageManifest.read(workdir / "pretrain").statistics
+    assert statistics["init"] == f"the convert output {workdir / 'model' / 'checkpoint'}"
     assert statistics["steps"] == 8 and statistics["ranks"] == 2
     assert latest_complete(workdir / "pretrain" / "checkpoints").name == "step-00000008"
     losses = [json.loads(line) for line in (workdir / "pretrain" / "losses.jsonl").read_text().splitlines()]
@@ -96,21 +102,61 @@ def _check_pretrain_and_evaluate(workdir, out):
     assert [record["step"] for record in tracked if "loss" in record] == list(range(1, 9))
     assert f"jsonl {tracker['run_id']}: {tracker['location']}" in out
     report = json.loads((workdir / "evaluation" / "evaluation.json").read_text())
-    pretrain, base = report["checkpoints"]["pretrain"], report["checkpoints"]["base"]
+    checkpoints = report["checkpoints"]
+    assert list(checkpoints) == ["base", "pretrain", "finetune"]
+    for name, splits in checkpoints.items():
+        assert list(splits) == ["pretrain-data", "finetune-data"], name
+    pretrain, base = checkpoints["pretrain"]["pretrain-data"], checkpoints["base"]["pretrain-data"]
     assert pretrain["checkpoint"].endswith("step-00000008") and base["checkpoint"].endswith("model/checkpoint")
+    assert checkpoints["finetune"]["finetune-data"]["checkpoint"].endswith("finetune/merged")
     assert pretrain["perplexity"] == pytest.approx(math.exp(pretrain["loss"]))
     assert pretrain["loss"] < math.log(512)  # below a uniform guess over the 512 tokens: it learned something
-    assert (workdir / "evaluation" / "loss_curve.png").read_bytes()[:4] == b"\x89PNG"
-    for name in ("pretrain", "base"):  # the report printed at the end: per checkpoint loss, perplexity, bits/byte
-        numbers = report["checkpoints"][name]
-        assert f"{numbers['loss']:8.4f} {numbers['perplexity']:11.2f} {numbers['bits_per_byte']:10.4f}" in out
-    assert str(workdir / "evaluation" / "loss_curve.png") in out
+    assert pretrain["loss"] < base["loss"]  # and it learned it from the converted base
+    for name in ("loss_curve.png", "finetune_loss_curve.png"):
+        assert (workdir / "evaluation" / name).read_bytes()[:4] == b"\x89PNG"
+        assert str(workdir / "evaluation" / name) in out
+    for name, splits in checkpoints.items():  # the report printed at the end: loss, perplexity, bits/byte
+        for split, numbers in splits.items():
+            row = f"{numbers['loss']:8.4f} {numbers['perplexity']:11.2f} {numbers['bits_per_byte']:10.4f}"
+            assert f"{name:10} {split:14} {row}" in out
+    compared = report["comparison"]
+    assert compared["pretrain"] == checkpoints["pretrain"]["finetune-data"]["loss"]
+    assert compared["finetune"] == checkpoints["finetune"]["finetune-data"]["loss"]
+    verdict = "lower" if compared["lower"] else "NOT lower"
+    numbers = f"{compared['finetune']:.4f} vs pretrained {compared['pretrain']:.4f}"
+    assert f"{numbers} held-out loss on finetune-data: {verdict}\n" in out
+    markdown = (workdir / "evaluation" / "evaluation.md").read_text()
+    assert "| finetune | finetune-data |" in markdown and "| base | pretrain-data |" in markdown
     with get_client(sync_client=True) as client:
         artifacts = client.read_artifacts(
             artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["evaluation-report", "evaluation-table"]))
         )
     kinds = {artifact.type for artifact in artifacts if str(workdir) in (artifact.description or "")}
     assert kinds == {"markdown", "table"}
+
+
+def _check_finetune_data(workdir):
+    """The fine-tune corpus, tokenized with the pretrain data's tokenizer into its own train/validation split."""
+    statistics = StageManifest.read(workdir / "finetune-data").statistics
+    assert statistics["tokenizer"]["sha256"] == StageManifest.read(workdir / "data").statistics["tokenizer"]["sha256"]
+    assert statistics["splits"]["train"]["documents"] == 2 and statistics["splits"]["validation"]["documents"] == 1
+    assert (workdir / "finetune-data" / "validation" / "index.json").is_file()
+
+
+def _check_finetune(workdir, out):
+    """LoRA from the pretrain stage's last checkpoint: adapter-only job checkpoints, adapter and merged weights."""
+    assert "finetune: ran" in out
+    statistics = StageManifest.read(workdir / "finetune").statistics
+    assert statistics["steps"] == 4 and statistics["method"] == "lora"
+    assert statistics["base"] == str(workdir / "pretrain" / "checkpoints" / "step-00000008")
+    assert 0 < statistics["trainable_parameters"] < statistics["total_parameters"]
+    assert latest_complete(workdir / "finetune" / "checkpoints").name == "step-00000004"
+    for name in ("merged/model.safetensors.index.json", "adapter/model.safetensors.index.json", "peft.json"):
+        assert (workdir / "finetune" / name).is_file(), name
+    losses = [json.loads(line) for line in (workdir / "finetune" / "losses.jsonl").read_text().splitlines()]
+    assert [record["step"] for record in losses] == [1, 2, 3, 4]
+    tracker = statistics["tracker"]
+    assert f"jsonl {tracker['run_id']}: {workdir / 'finetune' / 'tracker'}" in out
 
 
 def test_failed_run_then_fixed_completes_without_redoing_finished_work(prefect_api, tmp_path, capsys, monkeypatch):

@@ -135,7 +135,7 @@ def test_unknown_keys_flows_and_deployment_names_are_rejected_with_the_valid_one
 
     entry = load_deploy_file(_write(tmp_path / "b.yaml", {"deployments": [{"name": "n", "flow": "train"}]}))
     with pytest.raises(
-        DeployConfigError, match="flow = 'train' is not a d9d flow; valid: pipeline, data-prep, convert"
+        DeployConfigError, match="flow = 'train' is not a d9d flow; valid: pipeline, data-prep, finetune-data, convert"
     ):
         runner_deployment(entry.deployments[0], with_work_pool=False)
     with pytest.raises(DeployConfigError, match="has no work_pool"):

@@ -24,7 +24,14 @@ from d9d.flows.jobs.convert import add_convert_command, run_convert_command
 from d9d.flows.jobs.data_prep import CorpusError, SplitError, TokenizerError, preflight
 from d9d.flows.jobs.launch import LaunchCancelled
 from d9d.flows.jobs.loading import JobConfigError, load_job_config
-from d9d.flows.jobs.preflight import PreflightError, preflight_evaluate, preflight_pretrain, require_inputs
+from d9d.flows.jobs.preflight import (
+    PreflightError,
+    preflight_evaluate,
+    preflight_finetune,
+    preflight_finetune_data,
+    preflight_pretrain,
+    require_inputs,
+)
 from d9d.flows.jobs.presets import describe_presets
 from d9d.flows.jobs.stage_names import PIPELINE, STAGE_SECTIONS
 
@@ -96,15 +103,21 @@ def _preflight(config: JobConfig, stages: Sequence[str]) -> None:
         match stage:
             case "data-prep":
                 preflight(config.data_prep, config.data_prep_output)
+            case "finetune-data":
+                preflight_finetune_data(config)
+                require_inputs(config, stage, stages)
             case "convert":
                 source = config.convert.source
                 if source is not None and not source.is_dir():
                     raise JobConfigError(
                         f"convert.source={source} is not a checkpoint directory; point it at a directory of "
-                        "*.safetensors files, or leave it unset to convert a random tiny Qwen3-MoE."
+                        "*.safetensors files, or leave it unset to convert a random model of pretrain.model's shape."
                     )
             case "pretrain":
                 preflight_pretrain(config)
+                require_inputs(config, stage, stages)
+            case "finetune":
+                preflight_finetune(config)
                 require_inputs(config, stage, stages)
             case "evaluate":
                 preflight_evaluate(config)

@@ -102,7 +102,32 @@ def format_summary(results: Sequence[StageResult], *, seconds: float, target: st
             lines.append(f"    {label:18} {path}")
         lines.append(f"    {'manifest':18} {result.manifest}")
         lines += [f"    {line}" for line in _statistics_lines(result)]
+    lines += _report_lines(results)
     return "\n".join(lines)
+
+
+def _report_lines(results: Sequence[StageResult]) -> list[str]:
+    """The closing report: the fine-tune verdict, bits per byte per checkpoint, the PNGs, tracker runs, outputs."""
+    lines = ["  report"]
+    for result in results:
+        if result.stage != "evaluate":
+            continue
+        compared = result.statistics.get("comparison")
+        if compared:
+            verdict = "lower" if compared["lower"] else "NOT lower"
+            lines.append(
+                f"    {'fine-tuned':22} {compared['finetune']:.4f} vs pretrained {compared['pretrain']:.4f} "
+                f"held-out loss on {compared['split']}: {verdict}"
+            )
+        for name, splits in result.statistics.get("checkpoints", {}).items():
+            per_split = ", ".join(f"{report['bits_per_byte']:.4f} on {split}" for split, report in splits.items())
+            lines.append(f"    {'bits/byte ' + name:22} {per_split}")
+        lines += [f"    {label:22} {path}" for label, path in result.artifacts.items() if label.endswith("curve")]
+    for result in results:
+        if "tracker run" in result.artifacts:
+            lines.append(f"    {'tracker ' + result.stage:22} {result.artifacts['tracker run']}")
+    lines += [f"    {'output ' + result.stage:22} {result.output}" for result in results]
+    return lines
 
 
 def _statistics_lines(result: StageResult) -> list[str]:
@@ -111,6 +136,15 @@ def _statistics_lines(result: StageResult) -> list[str]:
         return [
             f"{'trained':18} {stats['steps']} steps on {stats['ranks']} ranks, final loss {stats['final_loss']:.4f}",
             f"{'started from':18} {stats.get('init')}",
+        ]
+    if result.stage == "finetune" and "final_loss" in stats:
+        return [
+            (
+                f"{'trained':18} {stats['method']}, {stats['steps']} steps on {stats['ranks']} ranks, final loss "
+                f"{stats['final_loss']:.4f}; {stats['trainable_parameters']:,} of {stats['total_parameters']:,} "
+                "parameters trained"
+            ),
+            f"{'started from':18} {stats.get('base')}",
         ]
     if result.stage == "evaluate":
         return _evaluation_lines(stats)
@@ -133,11 +167,12 @@ def _statistics_lines(result: StageResult) -> list[str]:
 
 
 def _evaluation_lines(stats: dict[str, Any]) -> list[str]:
-    lines = [f"{'checkpoint':18} {'loss':>8} {'perplexity':>11} {'bits/byte':>10}"]
-    for name, report in stats.get("checkpoints", {}).items():
-        lines.append(
-            f"{name:18} {report['loss']:8.4f} {report['perplexity']:11.2f} {report['bits_per_byte']:10.4f}"
-            f"  {report['checkpoint']}"
-        )
+    lines = [f"{'checkpoint':10} {'split':14} {'loss':>8} {'perplexity':>11} {'bits/byte':>10}"]
+    for name, splits in stats.get("checkpoints", {}).items():
+        for split, report in splits.items():
+            lines.append(
+                f"{name:10} {split:14} {report['loss']:8.4f} {report['perplexity']:11.2f} "
+                f"{report['bits_per_byte']:10.4f}  {report['checkpoint']}"
+            )
     lines += [f"{'note':18} {note}" for note in stats.get("notes", []) if "not evaluated" in note or "no loss" in note]
     return lines

@@ -128,7 +128,8 @@ def _absolute_tracker(tracker: AnyTrackerConfig | None, base: Path) -> AnyTracke
     """A tracker's directory or repository made absolute, so it means the same wherever the ranks run."""
     if tracker is None:
         return None
-    return tracker.model_copy(update={name: _absolute(value, base) for name, value in tracker if isinstance(value, Path)})
+    paths = {name: _absolute(value, base) for name, value in tracker if isinstance(value, Path)}
+    return tracker.model_copy(update=paths)
 
 
 def _absolute(path: Path, base: Path) -> Path:

@@ -1,4 +1,4 @@
-"""Checks of the pretrain and evaluate sections that can fail before any process starts (names field and value)."""
+"""Checks of the training and evaluation sections that can fail before any process starts (names field and value)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from d9d.core.dist import MeshDegrees
 from d9d.flows.jobs.config import JobConfig
 from d9d.flows.jobs.contract import ManifestError, StageManifest
 from d9d.flows.jobs.data_prep.config import TrainBpeTokenizer
+from d9d.flows.jobs.data_prep.corpus import check_readable, corpus_files, text_field_of
 
 
 class PreflightError(ValueError):
@@ -25,9 +26,13 @@ def data_parallel_size(degrees: MeshDegrees, nproc: int) -> int | None:
 def require_inputs(config: JobConfig, stage: str, running: Collection[str]) -> None:
     """The outputs `stage` reads must be complete unless a stage running before it in this run writes them."""
     needs: dict[str, dict[str, Path]] = {
+        "finetune-data": {"data-prep": config.data_prep_output},
         "pretrain": {"data-prep": config.data_prep_output},
+        "finetune": {"pretrain": config.pretrain_output, "finetune-data": config.finetune_data_output},
         "evaluate": {"data-prep": config.data_prep_output, "pretrain": config.pretrain_output},
     }
+    if config.evaluate.finetune:
+        needs["evaluate"] |= {"finetune-data": config.finetune_data_output, "finetune": config.finetune_output}
     for earlier, output in needs.get(stage, {}).items():
         if earlier in running:
             continue
@@ -61,6 +66,29 @@ def preflight_pretrain(config: JobConfig) -> None:
             f"pretrain.global_batch_rows={section.global_batch_rows} cannot be split into micro-batches of "
             f"pretrain.microbatch_rows={section.microbatch_rows} over pretrain.nproc_per_node={section.nproc_per_node} "
             f"ranks; make it a multiple of {dp * section.microbatch_rows}"
+        )
+
+
+def preflight_finetune_data(config: JobConfig) -> None:
+    """The fine-tune corpus' files are readable (its tokenizer is the data-prep stage's, made before it runs)."""
+    section = config.finetune_data
+    for file in corpus_files(section.corpus, field="finetune_data.corpus"):
+        check_readable(file, text_field=text_field_of(section.corpus))
+
+
+def preflight_finetune(config: JobConfig) -> None:
+    section = config.finetune
+    dp = data_parallel_size(section.degrees, section.nproc_per_node)
+    if dp is not None and section.global_batch_rows % (dp * section.microbatch_rows):
+        raise PreflightError(
+            f"finetune.global_batch_rows={section.global_batch_rows} cannot be split into micro-batches of "
+            f"finetune.microbatch_rows={section.microbatch_rows} over finetune.nproc_per_node={section.nproc_per_node} "
+            f"ranks; make it a multiple of {dp * section.microbatch_rows}"
+        )
+    if dp is not None and section.validation_rows_per_step % dp:
+        raise PreflightError(
+            f"finetune.validation_rows_per_step={section.validation_rows_per_step} is not a multiple of "
+            f"finetune.nproc_per_node={section.nproc_per_node}; every rank evaluates the same number of rows"
         )
 
 

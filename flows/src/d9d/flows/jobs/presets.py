@@ -22,7 +22,10 @@ def _dense(*, vocab_size: int, hidden_size: int, layers: int) -> dict[str, Any]:
 
 _PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "tiny": (
-        "the main job: 42 Shakespeare works (5 MB), a 4096-token BPE, a tiny Qwen3 on 2 CPU ranks; minutes",
+        (
+            "the main job: 42 Shakespeare works (5 MB), a 4096-token BPE, a tiny Qwen3 on 2 CPU ranks, LoRA on 7 "
+            "Milton works (1.4 MB); under 5 minutes"
+        ),
         {
             "workdir": "runs/tiny",
             "data_prep": {
@@ -51,11 +54,27 @@ _PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
                 "nproc_per_node": 2,
                 "device": "cpu",
             },
+            "finetune_data": {"corpus": {"kind": "embedded", "name": "milton"}, "workers": 2},
+            "finetune": {
+                "steps": 100,
+                "global_batch_rows": 16,
+                "microbatch_rows": 8,
+                "checkpoint_every": 50,
+                # LoRA trains far fewer weights from a trained start: a higher rate than pretrain's is stable.
+                "optimizer": {"kind": "adamw", "lr": 0.01},
+                "validation_rows_per_step": 16,
+                "validation_steps": 4,
+                "nproc_per_node": 2,
+                "device": "cpu",
+            },
             "evaluate": {"rows_per_step": 16, "nproc_per_node": 2, "device": "cpu"},
         },
     ),
     "micro": (
-        "a smoke test: 4 works, a 512-token BPE, 8 steps of a tiny Qwen3 on 2 CPU ranks; under a minute",
+        (
+            "a smoke test: 4 works, a 512-token BPE, 8 steps of a tiny Qwen3 on 2 CPU ranks, 4 LoRA steps on 3 "
+            "Milton works; under a minute"
+        ),
         {
             "workdir": "runs/micro",
             "data_prep": {
@@ -74,6 +93,25 @@ _PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
                 "microbatch_rows": 2,
                 "checkpoint_every": 4,
                 "optimizer": {"kind": "adamw", "lr": 0.003},
+                "nproc_per_node": 2,
+                "device": "cpu",
+                "retry_delay_seconds": 0.0,
+            },
+            "finetune_data": {
+                "corpus": {"kind": "embedded", "name": "milton", "limit": 3},
+                "seed": 11,  # holds out Areopagitica (the other two share Comus)
+                "chunk_bytes": 131072,
+                "workers": 1,
+                "retry_delay_seconds": 0.0,
+            },
+            "finetune": {
+                "steps": 4,
+                "global_batch_rows": 8,
+                "microbatch_rows": 2,
+                "checkpoint_every": 2,
+                "optimizer": {"kind": "adamw", "lr": 0.01},
+                "validation_rows_per_step": 8,
+                "validation_steps": 2,
                 "nproc_per_node": 2,
                 "device": "cpu",
                 "retry_delay_seconds": 0.0,

@@ -35,6 +35,10 @@ def _progress() -> Progress:
 def plan_task(config: JobConfig) -> EvaluatePlan:
     require_complete(config.data_prep_output, "data-prep", "evaluate")
     require_complete(config.pretrain_output, "pretrain", "evaluate")
+    finetune = config.evaluate.finetune
+    if finetune:
+        require_complete(config.finetune_output, "finetune", "evaluate")
+        require_complete(config.finetune_data_output, "finetune-data", "evaluate")
     inputs = EvaluateInputs(
         validation_shards=config.data_prep_output / "validation",
         data_manifest=config.data_prep_output,
@@ -42,6 +46,8 @@ def plan_task(config: JobConfig) -> EvaluatePlan:
         pretrain_model=config.pretrain.model,
         pretrain_seq_len=config.pretrain.seq_len,
         convert_output=config.convert_output,
+        finetune_output=config.finetune_output if finetune else None,
+        finetune_validation_shards=config.finetune_data_output / "validation" if finetune else None,
     )
     return plan_evaluate(config.evaluate, inputs, config.evaluate_output)
 
@@ -66,7 +72,7 @@ def publish_task(result: StageResult) -> None:
     create_table_artifact(
         table_rows(result.statistics),
         key="evaluation-table",
-        description=f"held-out loss per checkpoint, {result.output}",
+        description=f"held-out loss per checkpoint and split, {result.output}",
     )
 
 
@@ -83,7 +89,10 @@ def evaluate_flow(job: dict[str, Any]) -> dict[str, Any]:
             progress.note(f"evaluate: skipped, {plan.output} is up to date ({completeness.reason})")
             result = skipped(plan, completeness)
         else:
-            progress.note(f"evaluate: running {len(plan.candidates)} checkpoint(s) ({completeness.reason})")
+            progress.note(
+                f"evaluate: running {len(plan.checkpoints)} checkpoint(s) on {len(plan.splits)} split(s) "
+                f"({completeness.reason})"
+            )
             ran = evaluate_task(directory, plan)
             result = StageResult(**{**ran.to_json(), "reason": completeness.reason})
     publish_task(result)

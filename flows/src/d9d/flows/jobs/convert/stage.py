@@ -3,6 +3,7 @@ the manifest matches, else convert into the partial directory and commit. No Pre
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -22,21 +23,31 @@ from d9d.flows.jobs.contract import (
 from d9d.flows.jobs.convert.config import ConvertConfig
 from d9d.flows.jobs.progress import NoProgress, Progress
 from d9d.models.catalogue import named_mapping
-from d9d.models.random_checkpoint import write_random_hf_checkpoint
+from d9d.models.qwen3 import Qwen3DenseParameters, Qwen3MoeParameters
+from d9d.models.random_checkpoint import TINY_QWEN3_MOE, write_random_hf_checkpoint
 from d9d.states import convert_checkpoint
 
 STAGE_NAME = "convert"
 STAGE_VERSION = 1
 CHECKPOINT_DIR = "checkpoint"
 RECORDED_PACKAGES = ("d9d-core", "d9d-states", "d9d-models", "d9d-flows", "safetensors", "torch")
+RANDOM_SOURCE_RECORD = ".random-source.json"  # what the random source was written from (hidden: not a key input)
 
 
 @dataclass(frozen=True, kw_only=True)
 class ConvertPlan:
     config: ConvertConfig
+    mapping: str
     source: Path
     output: Path
     key: StageKey
+
+
+def mapping_of(config: ConvertConfig, architecture: Qwen3DenseParameters) -> str:
+    """The configured mapping, or the HF -> d9d mapping of the random source's family."""
+    if config.mapping is not None:
+        return config.mapping
+    return "qwen3-moe-hf-to-d9d" if isinstance(architecture, Qwen3MoeParameters) else "qwen3-hf-to-d9d"
 
 
 def source_of(config: ConvertConfig, output: Path) -> Path:
@@ -44,31 +55,53 @@ def source_of(config: ConvertConfig, output: Path) -> Path:
     return config.source if config.source is not None else output.parent / f"{output.name}-random-hf-source"
 
 
-def prepare_source(config: ConvertConfig, output: Path, progress: Progress) -> Path:
-    """The source directory, writing the random embedded checkpoint first when there is no configured source."""
+def prepare_source(
+    config: ConvertConfig,
+    output: Path,
+    progress: Progress,
+    *,
+    architecture: Qwen3DenseParameters = TINY_QWEN3_MOE,
+) -> Path:
+    """The source directory; without a configured source, a random checkpoint of `architecture` (a Qwen3 dense or
+    MoE), written again whenever the architecture or the seed differ from the one already there."""
     source = source_of(config, output)
-    if config.source is None and not (source / "config.json").is_file():
-        progress.note(f"convert: writing a random tiny Qwen3-MoE (seed {config.seed}) in the HF layout to {source}")
-        write_random_hf_checkpoint(source, seed=config.seed, overwrite=True)
+    if config.source is None:
+        wanted = {
+            "seed": config.seed,
+            "family": "qwen3_moe" if isinstance(architecture, Qwen3MoeParameters) else "qwen3_dense",
+            "parameters": architecture.model_dump(mode="json"),
+        }
+        record = source / RANDOM_SOURCE_RECORD
+        current = json.loads(record.read_text(encoding="utf-8")) if record.is_file() else None
+        if current != wanted or not (source / "config.json").is_file():
+            progress.note(
+                f"convert: writing a random {wanted['family']} (hidden_size={architecture.hidden_size}, "
+                f"vocab_size={architecture.vocab_size}, seed {config.seed}) in the HF layout to {source}"
+            )
+            write_random_hf_checkpoint(source, architecture, seed=config.seed, overwrite=True)
+            record.write_text(json.dumps(wanted, indent=2) + "\n", encoding="utf-8")
     if not source.is_dir():
         raise FileNotFoundError(f"convert: the source checkpoint {source} is not a directory")
     return source
 
 
-def plan_convert(config: ConvertConfig, output: Path, source: Path) -> ConvertPlan:
+def plan_convert(
+    config: ConvertConfig, output: Path, source: Path, *, architecture: Qwen3DenseParameters = TINY_QWEN3_MOE
+) -> ConvertPlan:
     inputs = tuple(
         FileFingerprint.of(path, name=str(path.relative_to(source)))
         for path in sorted(source.rglob("*"))
         if path.is_file() and not path.name.startswith(".")
     )
-    key_config = {"mapping": config.mapping, "max_shard_bytes": config.max_shard_bytes}
+    mapping = mapping_of(config, architecture)
+    key_config = {"mapping": mapping, "max_shard_bytes": config.max_shard_bytes}
     key = StageKey(stage=STAGE_NAME, stage_version=STAGE_VERSION, config=key_config, inputs=inputs)
-    return ConvertPlan(config=config, source=source, output=output, key=key)
+    return ConvertPlan(config=config, mapping=mapping, source=source, output=output, key=key)
 
 
 def run_convert(plan: ConvertPlan, partial: PartialStage) -> tuple[list[str], dict[str, Any]]:
     """Convert into `partial/checkpoint`; returns the output files (relative to the partial root) and statistics."""
-    mapping = named_mapping(plan.config.mapping)
+    mapping = named_mapping(plan.mapping)
     destination = partial.root / CHECKPOINT_DIR
     report = convert_checkpoint(
         plan.source, destination, mapping.factory, max_shard_bytes=plan.config.max_shard_bytes, overwrite=True
@@ -76,7 +109,7 @@ def run_convert(plan: ConvertPlan, partial: PartialStage) -> tuple[list[str], di
     mapping.convert_config(plan.source, destination, None)
     files = sorted(str(path.relative_to(partial.root)) for path in destination.rglob("*") if path.is_file())
     statistics = {
-        "mapping": plan.config.mapping,
+        "mapping": plan.mapping,
         "files": len(report.files),
         "groups": report.groups,
         "bytes_read": report.bytes_read,
@@ -106,13 +139,19 @@ def skipped(plan: ConvertPlan, completeness: Completeness) -> StageResult:
     return _result(plan.output, "skipped", f"up to date: {completeness.reason}", completeness.manifest.statistics)
 
 
-def convert_model(config: ConvertConfig, output: Path, *, progress: Progress | None = None) -> StageResult:
+def convert_model(
+    config: ConvertConfig,
+    output: Path,
+    *,
+    architecture: Qwen3DenseParameters = TINY_QWEN3_MOE,
+    progress: Progress | None = None,
+) -> StageResult:
     """The whole stage in this process, without an orchestrator: skip when complete, else convert and commit."""
     progress = progress or NoProgress()
     directory = StageDirectory(output)
     with directory.lock():
-        source = prepare_source(config, output, progress)
-        plan = plan_convert(config, output, source)
+        source = prepare_source(config, output, progress, architecture=architecture)
+        plan = plan_convert(config, output, source, architecture=architecture)
         completeness = directory.check(plan.key)
         if completeness.complete:
             return skipped(plan, completeness)

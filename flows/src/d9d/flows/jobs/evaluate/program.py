@@ -156,10 +156,12 @@ class EvaluateCandidate(BaseModel):
     model: AnyModelConfig
     checkpoint: Path | None = None
     weights: Path | None = None
+    shards: Path | None = Field(default=None, description="its held-out set; None: the suite's")
 
 
 class EvaluateSuiteConfig(BaseModel):
-    """Several models over one held-out set, in one launch (the evaluate stage's rank program config)."""
+    """Several models over held-out sets (the suite's, or a candidate's own), in one launch (the evaluate stage's
+    rank program config)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -176,9 +178,10 @@ class EvaluateSuiteConfig(BaseModel):
     tracker: AnyTrackerConfig = Field(default_factory=NoTrackerConfig)
 
     def single(self, candidate: EvaluateCandidate) -> EvaluateConfig:
-        shared = self.model_dump(exclude={"candidates", "output"})
+        shared = self.model_dump(exclude={"candidates", "output", "shards"})
         return EvaluateConfig(
             **shared,
+            shards=candidate.shards if candidate.shards is not None else self.shards,
             model=candidate.model,
             checkpoint=candidate.checkpoint,
             weights=candidate.weights,

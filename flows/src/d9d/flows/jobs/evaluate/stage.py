@@ -1,10 +1,14 @@
-"""The evaluate stage under the stage contract: held-out loss, perplexity and bits per byte of each checkpoint.
+"""The evaluate stage under the stage contract: held-out loss, perplexity and bits per byte of each checkpoint on
+each held-out split.
 
-Candidates: `pretrain` (the newest complete checkpoint of the pretrain stage) and `base` (the convert stage's
-output, when `base` is on and its vocabulary covers the tokenizer's: a model whose embedding table is smaller than
-the token ids cannot read the data). All run in one `torchrun` launch of the evaluate rank program over the
-data-prep stage's validation split. The stage writes `evaluation.json`, `evaluation.md` and `loss_curve.png`
-(training loss per step with each checkpoint's held-out loss). No Prefect here.
+Checkpoints: `base` (the convert stage's output, when `base` is on and its vocabulary covers the tokenizer's: a
+model whose embedding table is smaller than the token ids cannot read the data), `pretrain` (the newest complete
+checkpoint of the pretrain stage) and `finetune` (the fine-tune stage's merged weights, when `finetune` is on).
+Splits: `pretrain-data` (the data-prep stage's validation split) and `finetune-data` (the finetune-data stage's,
+when `finetune` is on). Every checkpoint x split runs in one `torchrun` launch of the evaluate rank program. The
+stage writes `evaluation.json`, `evaluation.md`, `loss_curve.png` (pretrain loss per step with each checkpoint's
+held-out loss on the pretrain data) and `finetune_loss_curve.png` (the same for fine-tuning, on the fine-tune data).
+No Prefect here.
 """
 
 from __future__ import annotations
@@ -39,24 +43,32 @@ from d9d.flows.jobs.progress import Progress
 from d9d.models.qwen3 import Qwen3DenseParameters, Qwen3MoeParameters
 
 STAGE_NAME = "evaluate"
-STAGE_VERSION = 1
+STAGE_VERSION = 2  # 2: checkpoints x splits, the fine-tuned checkpoint
 RECORDED_PACKAGES = ("d9d-core", "d9d-models", "d9d-flows", "torch")
 SUITE_FILE = "suite.yaml"
 LOG_FILE = "launch.log"
 REPORT_JSON = "evaluation.json"
 REPORT_MARKDOWN = "evaluation.md"
 LOSS_CURVE = "loss_curve.png"
+FINETUNE_LOSS_CURVE = "finetune_loss_curve.png"
+PRETRAIN_SPLIT = "pretrain-data"
+FINETUNE_SPLIT = "finetune-data"
+MERGED_DIR = "merged"  # the fine-tune stage's merged weights (d9d-layout safetensors)
 
 
 class EvaluateStageConfig(BaseModel):
-    """The `evaluate` section of a job: how much of the validation split, on how many ranks."""
+    """The `evaluate` section of a job: which checkpoints, how much of each validation split, on how many ranks."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     seq_len: int | None = Field(default=None, gt=0, description="None: the pretrain stage's seq_len")
     rows_per_step: int = Field(default=8, gt=0, description="rows per step over all ranks")
-    steps: int | None = Field(default=None, ge=1, description="None: one pass over the validation split")
+    steps: int | None = Field(default=None, ge=1, description="None: one pass over each validation split")
     base: bool = Field(default=True, description="also evaluate the convert stage's output (when it fits)")
+    finetune: bool = Field(
+        default=True, description="also evaluate the fine-tune stage's merged weights, and every checkpoint on the "
+        "fine-tune data's validation split"
+    )  # fmt: skip
     nproc_per_node: int = Field(default=2, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     grace_seconds: float = Field(default=10.0, gt=0, description="after SIGTERM on cancel, before SIGKILL")
@@ -65,7 +77,13 @@ class EvaluateStageConfig(BaseModel):
     retry_delay_seconds: float = Field(default=10.0, ge=0)
 
     def key_config(self, seq_len: int) -> dict[str, Any]:
-        return {"seq_len": seq_len, "rows_per_step": self.rows_per_step, "steps": self.steps, "base": self.base}
+        return {
+            "seq_len": seq_len,
+            "rows_per_step": self.rows_per_step,
+            "steps": self.steps,
+            "base": self.base,
+            "finetune": self.finetune,
+        }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,6 +96,8 @@ class EvaluateInputs:
     pretrain_model: AnyModelConfig
     pretrain_seq_len: int
     convert_output: Path
+    finetune_output: Path | None = None  # None: no fine-tuned checkpoint and no fine-tune split
+    finetune_validation_shards: Path | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,9 +106,19 @@ class EvaluatePlan:
     inputs: EvaluateInputs
     output: Path
     seq_len: int
-    candidates: tuple[EvaluateCandidate, ...]
+    checkpoints: tuple[EvaluateCandidate, ...]  # one per model; its `shards` unset
+    splits: dict[str, Path]  # split name -> validation shards
     notes: tuple[str, ...]
     key: StageKey
+
+    @property
+    def candidates(self) -> tuple[EvaluateCandidate, ...]:
+        """Every checkpoint on every split, each reporting into `<checkpoint>.<split>/`."""
+        return tuple(
+            checkpoint.model_copy(update={"name": f"{checkpoint.name}.{split}", "shards": shards})
+            for checkpoint in self.checkpoints
+            for split, shards in self.splits.items()
+        )
 
 
 def base_candidate(inputs: EvaluateInputs) -> tuple[EvaluateCandidate | None, str]:
@@ -121,26 +151,40 @@ def tokenizer_vocab_size(data_output: Path) -> int | None:
         return None
 
 
-def plan_evaluate(config: EvaluateStageConfig, inputs: EvaluateInputs, output: Path) -> EvaluatePlan:
-    seq_len = config.seq_len or inputs.pretrain_seq_len
-    pretrain = EvaluateCandidate(
-        name="pretrain", model=inputs.pretrain_model, checkpoint=inputs.pretrain_output / CHECKPOINTS_DIR
-    )
-    candidates = [pretrain]
-    notes = [f"pretrain: the newest complete checkpoint under {pretrain.checkpoint}"]
-    fingerprints = [
-        FileFingerprint.of(path, name=f"validation/{path.relative_to(inputs.validation_shards)}")
-        for path in sorted(inputs.validation_shards.rglob("*"))
+def _shard_fingerprints(shards: Path, split: str) -> list[FileFingerprint]:
+    return [
+        FileFingerprint.of(path, name=f"{split}/{path.relative_to(shards)}")
+        for path in sorted(shards.rglob("*"))
         if path.is_file()
     ]
+
+
+def plan_evaluate(config: EvaluateStageConfig, inputs: EvaluateInputs, output: Path) -> EvaluatePlan:
+    seq_len = config.seq_len or inputs.pretrain_seq_len
+    checkpoints: list[EvaluateCandidate] = []
+    notes: list[str] = []
+    splits = {PRETRAIN_SPLIT: inputs.validation_shards}
     # A stage's manifest stands for its whole output (it holds every file's checksum).
-    fingerprints.append(FileFingerprint.of(inputs.pretrain_output / MANIFEST_FILENAME, name="pretrain/manifest"))
+    fingerprints = _shard_fingerprints(inputs.validation_shards, PRETRAIN_SPLIT)
     if config.base:
         base, note = base_candidate(inputs)
         notes.append(note)
         if base is not None:
-            candidates.append(base)
+            checkpoints.append(base)
             fingerprints.append(FileFingerprint.of(inputs.convert_output / MANIFEST_FILENAME, name="base/manifest"))
+    pretrain = EvaluateCandidate(
+        name="pretrain", model=inputs.pretrain_model, checkpoint=inputs.pretrain_output / CHECKPOINTS_DIR
+    )
+    checkpoints.append(pretrain)
+    notes.append(f"pretrain: the newest complete checkpoint under {pretrain.checkpoint}")
+    fingerprints.append(FileFingerprint.of(inputs.pretrain_output / MANIFEST_FILENAME, name="pretrain/manifest"))
+    if config.finetune and inputs.finetune_output is not None and inputs.finetune_validation_shards is not None:
+        merged = inputs.finetune_output / MERGED_DIR
+        checkpoints.append(EvaluateCandidate(name="finetune", model=inputs.pretrain_model, weights=merged))
+        notes.append(f"finetune: the fine-tune stage's merged weights {merged}")
+        fingerprints.append(FileFingerprint.of(inputs.finetune_output / MANIFEST_FILENAME, name="finetune/manifest"))
+        splits[FINETUNE_SPLIT] = inputs.finetune_validation_shards
+        fingerprints += _shard_fingerprints(inputs.finetune_validation_shards, FINETUNE_SPLIT)
     key = StageKey(
         stage=STAGE_NAME, stage_version=STAGE_VERSION, config=config.key_config(seq_len), inputs=tuple(fingerprints)
     )
@@ -149,16 +193,18 @@ def plan_evaluate(config: EvaluateStageConfig, inputs: EvaluateInputs, output: P
         inputs=inputs,
         output=output,
         seq_len=seq_len,
-        candidates=tuple(candidates),
+        checkpoints=tuple(checkpoints),
+        splits=splits,
         notes=tuple(notes),
         key=key,
     )
 
 
 def run_evaluate_stage(plan: EvaluatePlan, partial: PartialStage, progress: Progress) -> dict[str, Any]:
-    """Evaluate every candidate in one launch, then write the reports and the loss curve into `partial`."""
+    """Evaluate every checkpoint on every split in one launch, then write the reports and the loss curves."""
+    candidates = plan.candidates
     suite = EvaluateSuiteConfig(
-        candidates=list(plan.candidates),
+        candidates=list(candidates),
         shards=plan.inputs.validation_shards,
         seq_len=plan.seq_len,
         rows_per_step=plan.config.rows_per_step,
@@ -168,7 +214,7 @@ def run_evaluate_stage(plan: EvaluatePlan, partial: PartialStage, progress: Prog
     )
     suite_file = partial.root / SUITE_FILE
     suite_file.write_text(yaml.safe_dump(suite.model_dump(mode="json"), sort_keys=False), encoding="utf-8")
-    progress.start("evaluate", float(len(plan.candidates)), "checkpoints")
+    progress.start("evaluate", float(len(candidates)), "evaluations")
     try:
         launch(
             LaunchSpec(
@@ -182,65 +228,106 @@ def run_evaluate_stage(plan: EvaluatePlan, partial: PartialStage, progress: Prog
         )
     finally:
         progress.finish()
-    reports = {
-        candidate.name: json.loads((partial.root / candidate.name / REPORT_JSON).read_text(encoding="utf-8"))
-        for candidate in plan.candidates
+    reports: dict[str, dict[str, Any]] = {
+        checkpoint.name: {
+            split: json.loads((partial.root / f"{checkpoint.name}.{split}" / REPORT_JSON).read_text(encoding="utf-8"))
+            for split in plan.splits
+        }
+        for checkpoint in plan.checkpoints
     }
     notes = list(plan.notes)
-    losses = read_losses(plan.inputs.pretrain_output / LOSSES_FILE)
-    curve: str | None = LOSS_CURVE
-    try:
-        plot_loss_curve(losses, {name: report["loss"] for name, report in reports.items()}, partial.root / LOSS_CURVE)
-    except PlotUnavailable as error:
-        curve = None
-        notes.append(f"no loss curve: {error}")
-    summary = {"checkpoints": reports, "notes": notes, "loss_curve": curve, "validation_tokens": _tokens(reports)}
+    curves = _draw_curves(plan, reports, partial.root, notes)
+    summary: dict[str, Any] = {
+        "checkpoints": reports,
+        "splits": {split: str(shards) for split, shards in plan.splits.items()},
+        "comparison": comparison(reports),
+        "notes": notes,
+        "loss_curves": curves,
+        "validation_tokens": {split: _tokens(reports, split) for split in plan.splits},
+    }
     (partial.root / REPORT_JSON).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-    (partial.root / REPORT_MARKDOWN).write_text(report_markdown(reports, notes), encoding="utf-8")
+    (partial.root / REPORT_MARKDOWN).write_text(report_markdown(summary), encoding="utf-8")
     return summary
 
 
-def _tokens(reports: dict[str, dict[str, Any]]) -> int:
-    return max((int(report["tokens"]) for report in reports.values()), default=0)
+def _draw_curves(plan: EvaluatePlan, reports: dict[str, dict[str, Any]], root: Path, notes: list[str]) -> list[str]:
+    """The training loss of pretrain (and fine-tune) per step, with the held-out losses on that stage's data."""
+    wanted = [(LOSS_CURVE, plan.inputs.pretrain_output, PRETRAIN_SPLIT, "pretrain loss")]
+    if FINETUNE_SPLIT in plan.splits and plan.inputs.finetune_output is not None:
+        wanted.append((FINETUNE_LOSS_CURVE, plan.inputs.finetune_output, FINETUNE_SPLIT, "fine-tune loss"))
+    drawn: list[str] = []
+    for name, stage_output, split, title in wanted:
+        held_out = {checkpoint: splits[split]["loss"] for checkpoint, splits in reports.items()}
+        try:
+            plot_loss_curve(read_losses(stage_output / LOSSES_FILE), held_out, root / name, title=f"{title}, {split}")
+        except PlotUnavailable as error:
+            notes.append(f"no loss curve: {error}")
+            return drawn
+        drawn.append(name)
+    return drawn
 
 
-def report_markdown(reports: dict[str, dict[str, Any]], notes: list[str]) -> str:
+def comparison(reports: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """Fine-tuned vs pretrained held-out loss on the fine-tune data (None without a fine-tuned checkpoint)."""
+    if "finetune" not in reports or FINETUNE_SPLIT not in reports["finetune"]:
+        return None
+    pretrained = float(reports["pretrain"][FINETUNE_SPLIT]["loss"])
+    finetuned = float(reports["finetune"][FINETUNE_SPLIT]["loss"])
+    return {"split": FINETUNE_SPLIT, "pretrain": pretrained, "finetune": finetuned, "lower": finetuned < pretrained}
+
+
+def _tokens(reports: dict[str, dict[str, Any]], split: str) -> int:
+    return max((int(splits[split]["tokens"]) for splits in reports.values()), default=0)
+
+
+def report_markdown(summary: dict[str, Any]) -> str:
     lines = [
         "# Evaluation",
         "",
-        "| checkpoint | loss | perplexity | bits per byte | tokens |",
-        "|---|---|---|---|---|",
+        "| checkpoint | split | loss | perplexity | bits per byte | tokens |",
+        "|---|---|---|---|---|---|",
     ]
-    for name, report in reports.items():
-        lines.append(
-            f"| {name} | {report['loss']:.4f} | {report['perplexity']:.2f} | {report['bits_per_byte']:.4f} "
-            f"| {report['tokens']:,} |"
-        )
-    lines += ["", *[f"- {note}" for note in notes], ""]
+    lines += [
+        f"| {row['checkpoint']} | {row['split']} | {row['loss']:.4f} | {row['perplexity']:.2f} "
+        f"| {row['bits_per_byte']:.4f} | {row['tokens']:,} |"
+        for row in table_rows(summary)
+    ]
+    verdict = comparison_line(summary.get("comparison"))
+    lines += ["", *([verdict, ""] if verdict else []), *[f"- {note}" for note in summary["notes"]], ""]
     return "\n".join(lines)
 
 
+def comparison_line(compared: dict[str, Any] | None) -> str | None:
+    if not compared:
+        return None
+    verdict = "lower" if compared["lower"] else "NOT lower"
+    return (
+        f"fine-tuned vs pretrained held-out loss on {compared['split']}: {compared['finetune']:.4f} vs "
+        f"{compared['pretrain']:.4f} ({verdict})"
+    )
+
+
 def table_rows(statistics: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per checkpoint, for a table artifact."""
+    """One row per checkpoint and split, for a table artifact."""
     return [
         {
             "checkpoint": name,
+            "split": split,
             "loss": round(float(report["loss"]), 4),
             "perplexity": round(float(report["perplexity"]), 2),
             "bits_per_byte": round(float(report["bits_per_byte"]), 4),
             "tokens": int(report["tokens"]),
             "path": report["checkpoint"],
         }
-        for name, report in statistics.get("checkpoints", {}).items()
+        for name, splits in statistics.get("checkpoints", {}).items()
+        for split, report in splits.items()
     ]
 
 
 def commit(
     directory: StageDirectory, partial: PartialStage, plan: EvaluatePlan, statistics: dict[str, Any]
 ) -> StageResult:
-    files = [SUITE_FILE, LOG_FILE, REPORT_JSON, REPORT_MARKDOWN]
-    if statistics.get("loss_curve"):
-        files.append(LOSS_CURVE)
+    files = [SUITE_FILE, LOG_FILE, REPORT_JSON, REPORT_MARKDOWN, *statistics.get("loss_curves", [])]
     for candidate in plan.candidates:
         files += [f"{candidate.name}/{REPORT_JSON}", f"{candidate.name}/{REPORT_MARKDOWN}"]
     manifest = directory.commit(
@@ -261,8 +348,8 @@ def skipped(plan: EvaluatePlan, completeness: Completeness) -> StageResult:
 
 def result_of(output: Path, status: StageStatus, reason: str, statistics: dict[str, Any]) -> StageResult:
     artifacts = {"report": str(output / REPORT_MARKDOWN)}
-    if statistics.get("loss_curve"):
-        artifacts["loss curve"] = str(output / LOSS_CURVE)
+    for name in statistics.get("loss_curves", []):
+        artifacts["loss curve" if name == LOSS_CURVE else "fine-tune curve"] = str(output / name)
     return StageResult(
         stage=STAGE_NAME,
         status=status,

@@ -12,8 +12,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from d9d.flows.jobs.data_prep.config import AnyCorpus, AnyTokenizer, DataPrepConfig, EmbeddedCorpus, FileTokenizer
-
-TOKENIZER_FILE = "tokenizer.json"  # the data-prep stage's tokenizer, in its output directory
+from d9d.flows.jobs.data_prep.program import TOKENIZER_FILE
 
 
 class FinetuneDataConfig(BaseModel):
@@ -23,7 +22,9 @@ class FinetuneDataConfig(BaseModel):
 
     corpus: AnyCorpus = Field(default_factory=lambda: EmbeddedCorpus(name="milton"))
     validation_fraction: float = Field(default=0.15, gt=0.0, lt=1.0, description="whole documents, seeded")
-    seed: int = Field(default=0, description="chooses which documents form the validation split")
+    # With the 7 embedded Milton works (one document each), seed 7 holds out The Poetical Works: 4% of its lines
+    # also appear in another file, where Comus, in two files, would be 58% memorised text.
+    seed: int = Field(default=7, description="chooses which documents form the validation split")
     chunk_bytes: int = Field(default=1 << 19, ge=1024)
     workers: int = Field(default=2, ge=1)
     output: Path | None = Field(default=None, description="default: <workdir>/finetune-data")

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from d9d.core.dist import MeshDegrees
 from d9d.core.loop import CheckpointingConfig, TrainerConfig
@@ -98,6 +98,14 @@ class FinetuneStageConfig(BaseModel):
     output: Path | None = Field(default=None, description="default: <workdir>/finetune")
     retries: int = Field(default=0, ge=0)
     retry_delay_seconds: float = Field(default=10.0, ge=0)
+
+    @field_validator("peft", mode="before")
+    @classmethod
+    def _default_kind(cls, value: Any) -> Any:
+        """A `peft` section without `kind` (e.g. `--set finetune.peft.params.r=4`) changes the default LoRA."""
+        if isinstance(value, dict) and "kind" not in value:
+            return {**DEFAULT_PEFT.model_dump(mode="json"), **value}
+        return value
 
     def key_config(self) -> dict[str, Any]:
         return {name: value for name, value in self.model_dump(mode="json").items() if name not in _NOT_IN_KEY}
