@@ -51,6 +51,40 @@ def test_classification_statistics_match_hand_counted_references():
         assert metric.compute() == pytest.approx(expected, abs=1e-12), key
 
 
+# 6 classes: 5 occurs nowhere, 4 is only predicted, 3 only in the targets (so macro averages differ from a plain
+# mean over 6 classes). Expected values printed once by scikit-learn 1.9.1 (labels=None, zero_division=0):
+# precision_score / recall_score / f1_score(average=...), accuracy_score (micro), balanced_accuracy_score (macro
+# accuracy) and recall_score(average="weighted") (weighted accuracy).
+SKLEARN_TRUE = [0, 1, 0, 2, 2, 0, 0, 0, 0, 2, 3, 1, 0, 0, 3, 3, 1, 1, 0, 0, 1, 0, 0, 1]
+SKLEARN_PRED = [1, 1, 0, 1, 2, 2, 1, 0, 0, 4, 0, 4, 1, 4, 0, 0, 1, 1, 0, 0, 0, 0, 1, 2]
+SKLEARN_SCORES = {
+    "precision_micro": 0.4166666666666667,
+    "recall_micro": 0.4166666666666667,
+    "f1_micro": 0.4166666666666667,
+    "precision_macro": 0.26166666666666666,
+    "recall_macro": 0.26666666666666666,
+    "f1_macro": 0.26147186147186147,
+    "precision_weighted": 0.4354166666666666,
+    "recall_weighted": 0.4166666666666667,
+    "f1_weighted": 0.4215367965367965,
+    "accuracy_micro": 0.4166666666666667,
+    "accuracy_macro": 0.3333333333333333,
+    "accuracy_weighted": 0.4166666666666667,
+}
+
+
+@pytest.mark.parametrize("key", sorted(SKLEARN_SCORES))
+def test_classification_matches_scikit_learn_when_some_classes_never_occur(key):
+    statistic, average = key.split("_")
+    metric = ClassificationMetric(6, statistic=statistic, average=average)  # type: ignore[arg-type]
+    metric.update(torch.tensor(SKLEARN_PRED), torch.tensor(SKLEARN_TRUE))
+    assert metric.compute() == pytest.approx(SKLEARN_SCORES[key], abs=1e-12)
+    perfect = ClassificationMetric(4, statistic=statistic, average=average)  # type: ignore[arg-type]
+    perfect.update(torch.tensor([0, 1, 0, 1]), torch.tensor([0, 1, 0, 1]))  # classes 2 and 3 never occur
+    assert perfect.compute() == 1.0  # scikit-learn: 1.0 for every statistic and average
+    assert math.isnan(ClassificationMetric(4, statistic=statistic, average=average).compute())  # type: ignore[arg-type]
+
+
 def test_confusion_matrix_takes_scores_and_ignores_an_index():
     metric = ConfusionMatrixMetric(3, ignore_index=-100)
     scores = torch.tensor([[0.1, 0.9, 0.0], [0.8, 0.1, 0.1], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
@@ -81,6 +115,15 @@ def test_perplexity_and_bits_per_byte_weigh_batches_by_their_tokens_and_bytes():
     assert perplexity.compute() == pytest.approx(math.exp(15.0 / 6))
     assert bits.compute() == pytest.approx(15.0 / (math.log(2) * 19))
     assert math.isnan(PerplexityMetric().compute())
+
+
+def test_perplexity_of_a_diverged_step_is_inf_not_an_overflow_error():
+    diverged = PerplexityMetric()
+    diverged.update(torch.tensor(800.0), 1)  # exp(800) exceeds a float64 (largest exp argument ~709.78)
+    assert diverged.compute() == math.inf
+    just_below = PerplexityMetric()
+    just_below.update(709.0, 1)
+    assert just_below.compute() == pytest.approx(math.exp(709.0))
 
 
 def test_state_dict_round_trips_and_reset_restores_defaults():

@@ -19,14 +19,17 @@ from tracker_rank_program import TokenTask, provide_data, provide_lr, provide_mo
 from d9d.core.dist import DistributedContext, MeshDegrees
 from d9d.core.loop import (
     CheckpointingConfig,
+    CheckpointStarted,
     EventBus,
     LossResult,
     StepFinished,
     TokenBatch,
     TrainerConfig,
+    TrainingFinished,
     build_trainer,
 )
-from d9d.metrics import MetricLogger, PerplexityMetric, TokenCountMetric
+from d9d.core.loop.reduce import dp_group
+from d9d.metrics import MetricLogger, PerplexityMetric, SumMetric, TokenCountMetric
 from d9d.metrics.trackers import JsonlTracker
 
 
@@ -49,7 +52,9 @@ def test_metrics_logged_from_trainer_events_equal_the_trainers_global_figures(tm
     events = EventBus()
     trainer_figures: dict[int, dict[str, float]] = {}
     events.subscribe(StepFinished, lambda event: trainer_figures.__setitem__(event.step, event.metrics))
-    logger = MetricLogger({"perplexity": task.perplexity, "tokens": task.tokens}, tracker, prefix="task/")
+    logger = MetricLogger(
+        {"perplexity": task.perplexity, "tokens": task.tokens}, tracker, group=dp_group(ctx), prefix="task/"
+    )
     logger.attach(events)
     config = TrainerConfig(
         total_steps=6, global_batch_rows=4, microbatch_rows=1, gc_every=None,
@@ -69,3 +74,25 @@ def test_metrics_logged_from_trainer_events_equal_the_trainers_global_figures(tm
         rows = [json.loads(line) for line in tracker.path.read_text().splitlines()]
         assert sorted(row["step"] for row in rows if "task/perplexity" in row) == list(range(1, 7))
         assert sorted(row["step"] for row in rows if "loss" in row) == list(range(1, 7))
+
+
+@pytest.mark.distributed(world_size=2, timeout=60)
+def test_with_every_above_one_nothing_updated_is_lost_before_a_checkpoint_or_at_the_end(tmp_path):
+    """every=4 over 6 steps, a checkpoint after step 3: the sync before the checkpoint takes steps 1-3, step 4's
+    regular sync takes step 4, the end takes steps 5-6; only the latest `keep_results` stay in `logged`."""
+    rank = dist.get_rank()
+    tracker = JsonlTracker(tmp_path / "metrics", enabled=rank == 0, run_id="run")
+    tokens, events = SumMetric(), EventBus()
+    logger = MetricLogger({"tokens": tokens}, tracker, every=4, keep_results=2)
+    logger.attach(events)
+    for step in range(1, 7):
+        tokens.update(100.0 * (rank + 1))  # 300 tokens per step over both ranks
+        events.emit(StepFinished(step=step, loss=0.0))
+        if step == 3:
+            events.emit(CheckpointStarted(step=3, path=tmp_path / "checkpoint-3"))
+    events.emit(TrainingFinished(step=6, preempted=False))
+    assert {step: results["tokens"] for step, results in logger.logged.items()} == {4: 300.0, 6: 600.0}
+    dist.barrier()
+    if rank == 0:
+        rows = [json.loads(line) for line in tracker.path.read_text().splitlines()]
+        assert [(row["step"], row["tokens"]) for row in rows] == [(3, 900.0), (4, 300.0), (6, 600.0)]  # all 1800

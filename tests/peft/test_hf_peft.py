@@ -16,7 +16,7 @@ from d9d.models.qwen3 import (
 )
 from d9d.peft import LoRAConfig, LoRAParameters, build_peft_method, inject_peft_and_freeze
 from d9d.peft.export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, export_hf_peft_adapter
-from d9d.states.mapper import ModelStateMapper
+from d9d.states.mapper import Chunk, ModelStateMapper
 
 # transformers' own deprecation inside PeftModel.from_pretrained, not ours.
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
@@ -86,3 +86,12 @@ def test_expert_adapters_are_exported_per_expert_in_the_hf_checkpoint_layout(tmp
         torch.testing.assert_close(tensors[f"{prefix}.down_proj.lora_B.weight"], experts.down_proj.lora_B[expert])
         assert f"model.layers.0.mlp.experts.{expert}.up_proj" in config["target_modules"]
     assert hf_config_from_qwen3_moe(MOE)["num_experts"] == MOE.num_experts
+
+
+def test_a_linear_adapter_whose_weight_the_mapper_splits_is_refused(tmp_path):
+    model, _ = _trained_like(r"model\.layers\.0\.self_attn\.q_proj", moe=False, params=LoRAParameters(r=2))
+    name = "model.layers.0.self_attn.q_proj"
+    halves = Chunk(f"{name}.weight", [f"{name}_a.weight", f"{name}_b.weight"])  # one d9d linear -> two HF weights
+    with pytest.raises(ValueError, match=rf"{name}\.weight: the to-HF mapper splits it into 2 HF weights"):
+        export_hf_peft_adapter(model, halves, tmp_path)
+    assert not (tmp_path / ADAPTER_WEIGHTS).exists()

@@ -55,3 +55,16 @@ def test_trained_parameters_save_alone_and_restore_on_top_of_the_base(tmp_path):
     report = load_trainable_state(tmp_path / "adapter", restored)
     assert report.tensors == 16  # A and B of 4 projections in 2 layers
     torch.testing.assert_close(logits(restored, tokens()), logits(model, tokens()), rtol=0, atol=0)
+
+
+def test_trained_parameters_missing_from_the_file_are_refused_by_name(tmp_path):
+    q_and_v = build_peft_method(LoRAConfig(module_name_pattern=r".*\.self_attn\.(q|v)_proj"))
+    saved = build(False, lambda model: inject_peft_and_freeze(q_and_v, model), seed=7)
+    save_trainable_state(tmp_path / "adapter", saved)
+    model, _ = _injected()  # adapters on q, k, v and o: those of k and o are not in the file
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    with pytest.raises(
+        StateMismatchError, match=r"lacks 8 of the model's 16 trainable .*'model\.layers\.0\.self_attn\.k_proj\.lora_A'"
+    ):
+        load_trainable_state(tmp_path / "adapter", model)
+    assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())  # nothing loaded

@@ -2,12 +2,15 @@
 or weighted.
 
 The state is the C x C confusion matrix (rows: true class, columns: predicted class). It sums exactly over ranks,
-so every statistic of the synced matrix equals the single-process one. An undefined ratio (a class never predicted,
-for precision) counts as 0, as scikit-learn's `zero_division=0` does.
+so every statistic of the synced matrix equals the single-process one. The averages follow scikit-learn with
+`labels=None`: an undefined ratio (a class never predicted, for precision) counts as 0 (`zero_division=0`); macro
+averages leave out classes that never occur (in neither targets nor predictions; balanced accuracy: not in the
+targets). Every statistic is NaN before any data.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Literal
 
@@ -80,6 +83,8 @@ def classification_statistic(matrix: torch.Tensor, statistic: Statistic, average
     support = matrix.sum(dim=1)  # items of each true class
     predicted = matrix.sum(dim=0)  # items predicted as each class
     total = matrix.sum()
+    if not total:
+        return math.nan  # no data, as the other metrics
     if average == "micro":
         # Single-label multiclass: micro precision, recall, F1 and accuracy all equal trace / total.
         return float(_ratio(true_positive.sum(), total))
@@ -92,7 +97,10 @@ def classification_statistic(matrix: torch.Tensor, statistic: Statistic, average
         "f1": _ratio(2 * precision * recall, precision + recall),
     }[statistic]
     if average == "macro":
-        return float(per_class.mean())
+        # scikit-learn (labels=None) averages over the classes that occur: in the targets or the predictions for
+        # precision, recall and F1; in the targets for balanced accuracy.
+        present = support > 0 if statistic == "accuracy" else (support > 0) | (predicted > 0)
+        return float(per_class[present].mean())
     return float(_ratio((per_class * support).sum(), support.sum()))
 
 

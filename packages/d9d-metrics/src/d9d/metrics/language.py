@@ -16,7 +16,7 @@ def _nats(loss_sum: torch.Tensor | float) -> float:
 
 class PerplexityMetric(Metric[float]):
     """exp(summed cross-entropy in nats / counted tokens). Update with a loss *sum*, never a per-batch mean, so
-    batches of different sizes weigh by their tokens. NaN before any token."""
+    batches of different sizes weigh by their tokens. NaN before any token; inf where exp overflows a float."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -31,7 +31,12 @@ class PerplexityMetric(Metric[float]):
 
     def _compute(self, states: Mapping[str, torch.Tensor]) -> float:
         tokens = float(states["tokens"])
-        return math.exp(float(states["loss_sum"]) / tokens) if tokens else math.nan
+        if not tokens:
+            return math.nan
+        try:
+            return math.exp(float(states["loss_sum"]) / tokens)
+        except OverflowError:  # above ~709.78 nats/token (a diverged step): inf, not an exception in the logger
+            return math.inf
 
 
 class BitsPerByteMetric(Metric[float]):

@@ -72,8 +72,9 @@ class MetricSync:
 
 
 def start_sync(metrics: Mapping[str, Metric[Any]], group: dist.ProcessGroup | None = None) -> MetricSync:
-    """Start reducing `metrics` over `group` (default: the world) without waiting; every rank must call it with the
-    same names (one process without a process group: the results are the local ones)."""
+    """Start reducing `metrics` over `group` without waiting; every rank must call it with the same names (one
+    process without a process group: the results are the local ones). Pass the data-parallel group (`dp_group(ctx)`
+    from `d9d.core.loop.reduce`); the default, the whole world, counts data twice where ranks share it (TP, PP)."""
     return MetricSync(metrics, group)
 
 

@@ -6,6 +6,7 @@ from torch import nn
 
 from d9d.peft.base import PeftInjectionResult, PeftMethod
 from d9d.peft.lora import LoRAGroupedLinear, LoRALinear
+from d9d.peft.lora.merge import reshard_fsdp_modules
 
 
 def inject_peft_and_freeze(method: PeftMethod, module: nn.Module) -> PeftInjectionResult:
@@ -28,7 +29,10 @@ def inject_peft_and_freeze(method: PeftMethod, module: nn.Module) -> PeftInjecti
 
 
 def merge_peft(method: PeftMethod, module: nn.Module) -> None:
-    """Fold the adapters into the base weights in place (every rank calls it: sharded adapters are gathered)."""
+    """Fold the adapters into the base weights in place (every rank calls it: sharded adapters are gathered).
+
+    FSDP modules are resharded first, so the merge writes into the sharded weights that `state_dict` saves."""
+    reshard_fsdp_modules(module)
     method.merge(module)
 
 

@@ -37,6 +37,18 @@ def save_trainable_state(destination: Path | str, model: nn.Module, *, overwrite
 
 
 def load_trainable_state(source: Path | str, model: nn.Module) -> LoadReport:
-    """Load a `save_trainable_state` checkpoint on top of a model that holds the base weights."""
+    """Load a `save_trainable_state` checkpoint on top of a model that holds the base weights.
+
+    The checkpoint must hold every trainable (`requires_grad`) parameter of `model`: one left out would silently
+    stay at its initial value (e.g. adapters saved for q/v loaded into a model with adapters on q/k/v)."""
     names = list(CheckpointSource.open(source).metas())
+    trainable = [name for name, param in model.named_parameters() if param.requires_grad]
+    missing = sorted(set(trainable) - set(names))
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise StateMismatchError(
+            f"{source} lacks {len(missing)} of the model's {len(trainable)} trainable parameters: "
+            f"{', '.join(repr(name) for name in missing[:5])}{more}; was it saved from a model with the same PEFT "
+            "targets?"
+        )
     return load_model_state(source, model, Identity(names), strict=False)

@@ -57,6 +57,11 @@ def hf_peft_adapter_state(model: nn.Module, to_hf: ModelStateMapper) -> tuple[di
             raise ValueError(f"{name}.weight: the to-HF mapper does not move it alone into HF weight(s)")
         lora_a, lora_b = full(sub.lora_A).detach().cpu(), full(sub.lora_B).detach().cpu()
         if isinstance(sub, LoRALinear):
+            if len(hf_weights) != 1:
+                raise ValueError(
+                    f"{name}.weight: the to-HF mapper splits it into {len(hf_weights)} HF weights "
+                    f"({', '.join(hf_weights[:3])}); a LoRA adapter on a linear layer exports to exactly one"
+                )
             pieces = [(hf_weights[0], lora_a, lora_b)]
         else:
             if len(hf_weights) != lora_a.shape[0]:

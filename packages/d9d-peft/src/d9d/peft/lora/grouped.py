@@ -47,10 +47,10 @@ class LoRAGroupedLinear(GroupedLinear):
         return torch.bmm(full(self.lora_B).float(), full(self.lora_A).float()) * self.scaling
 
     @torch.no_grad()
-    def merge_(self) -> None:
+    def merge_(self, *, fsdp_managed: bool = False) -> None:
         if self.merged:
             return
-        add_full_(self.weight, self.delta_weight())
+        add_full_(self.weight, self.delta_weight(), fsdp_managed=fsdp_managed)
         self.merged = True
 
     def extra_repr(self) -> str:

@@ -49,11 +49,12 @@ class LoRALinear(nn.Linear):
         return (full(self.lora_B).float() @ full(self.lora_A).float()) * self.scaling
 
     @torch.no_grad()
-    def merge_(self) -> None:
-        """Fold the adapter into `weight`; the layer then computes `x W'^T + b` only."""
+    def merge_(self, *, fsdp_managed: bool = False) -> None:
+        """Fold the adapter into `weight`; the layer then computes `x W'^T + b` only. `fsdp_managed`: FSDP shards
+        this layer, so `weight` must be in its sharded state (see `add_full_`)."""
         if self.merged:
             return
-        add_full_(self.weight, self.delta_weight())
+        add_full_(self.weight, self.delta_weight(), fsdp_managed=fsdp_managed)
         self.merged = True
 
     def extra_repr(self) -> str:

@@ -9,6 +9,7 @@ from d9d.peft.base import PeftInjectionResult, PeftMethod
 from d9d.peft.config import LoRAConfig
 from d9d.peft.lora.grouped import LoRAGroupedLinear
 from d9d.peft.lora.linear import LoRALinear
+from d9d.peft.lora.merge import fsdp_managed_modules, reshard_fsdp_modules
 from d9d.peft.matching import matching_modules, replace_module
 
 LoRAModule = LoRALinear | LoRAGroupedLinear
@@ -39,6 +40,8 @@ class LoRA(PeftMethod):
         return PeftInjectionResult.of(module, train=set(adapters), adapters=adapters)
 
     def merge(self, module: nn.Module) -> None:
+        reshard_fsdp_modules(module)  # a forward may have left FSDP's unsharded copies in place of the weights
+        managed = fsdp_managed_modules(module)
         for name, sub in module.named_modules():
             if isinstance(sub, LoRALinear | LoRAGroupedLinear) and self.config.module_name_pattern.fullmatch(name):
-                sub.merge_()
+                sub.merge_(fsdp_managed=id(sub) in managed)
