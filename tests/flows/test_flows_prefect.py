@@ -125,6 +125,7 @@ def _check_pretrain_and_evaluate(workdir, out):
     verdict = "lower" if compared["lower"] else "NOT lower"
     numbers = f"{compared['finetune']:.4f} vs pretrained {compared['pretrain']:.4f}"
     assert f"{numbers} held-out loss on finetune-data: {verdict}\n" in out
+    _check_evaluation_runs(workdir, report, out)
     markdown = (workdir / "evaluation" / "evaluation.md").read_text()
     assert "| finetune | finetune-data |" in markdown and "| base | pretrain-data |" in markdown
     with get_client(sync_client=True) as client:
@@ -133,6 +134,35 @@ def _check_pretrain_and_evaluate(workdir, out):
         )
     kinds = {artifact.type for artifact in artifacts if str(workdir) in (artifact.description or "")}
     assert kinds == {"markdown", "table"}
+
+
+def _check_evaluation_runs(workdir, report, out):
+    """Every checkpoint x split is a run of the pretrain run's family: a JSONL file next to the training run's,
+    named (in its hparams) after the checkpoint and split, at the evaluated checkpoint's step, with the report's
+    numbers."""
+    family = workdir / "pretrain" / "tracker"
+    training = StageManifest.read(workdir / "pretrain").statistics["tracker"]["run_id"]
+    tracker = StageManifest.read(workdir / "evaluation").statistics["tracker"]
+    assert tracker["kind"] == "jsonl" and tracker["family"] == str(family)
+    names = [f"{checkpoint}.{split}" for checkpoint, splits in report["checkpoints"].items() for split in splits]
+    assert sorted(tracker["runs"]) == sorted(names) and len(names) == 6
+    run_ids = {run["run_id"] for run in tracker["runs"].values()}
+    assert len(run_ids) == 6 and training not in run_ids
+    assert {path.name for path in family.glob("*.jsonl")} == {f"{run}.jsonl" for run in {training, *run_ids}}
+    for name, run in tracker["runs"].items():
+        checkpoint, split = name.split(".", 1)
+        assert run["location"] == str(family / f"{run['run_id']}.jsonl")
+        hparams = json.loads((family / f"{run['run_id']}.hparams.json").read_text())
+        assert hparams["run_name"] == f"evaluate {name}" == run["name"]
+        (record,) = [json.loads(line) for line in (family / f"{run['run_id']}.jsonl").read_text().splitlines()]
+        numbers = report["checkpoints"][checkpoint][split]
+        assert record == {
+            "step": 8 if checkpoint == "pretrain" else 0,  # a job checkpoint's step; converted/merged weights: 0
+            "evaluate/loss": numbers["loss"],
+            "evaluate/perplexity": numbers["perplexity"],
+            "evaluate/bits_per_byte": numbers["bits_per_byte"],
+        }
+    assert f"jsonl, 6 runs (checkpoint x split): {family}" in out
 
 
 def _check_finetune_data(workdir):

@@ -8,10 +8,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from d9d.flows.jobs.convert.config import ConvertConfig
 from d9d.flows.jobs.data_prep.config import DataPrepConfig, FilesCorpus, FileTokenizer
-from d9d.flows.jobs.evaluate.stage import EvaluateStageConfig
+from d9d.flows.jobs.evaluate.stage import EvaluateInputs, EvaluateStageConfig
 from d9d.flows.jobs.finetune.data import FinetuneDataConfig
 from d9d.flows.jobs.finetune.stage import FinetuneStageConfig
-from d9d.flows.jobs.pretrain.stage import PretrainStageConfig
+from d9d.flows.jobs.pretrain.stage import PretrainStageConfig, tracker_config
 from d9d.metrics.trackers import AnyTrackerConfig
 
 
@@ -51,6 +51,27 @@ class JobConfig(BaseModel):
     @property
     def pretrain_output(self) -> Path:
         return self.pretrain.output if self.pretrain.output is not None else self.workdir / "pretrain"
+
+    @property
+    def pretrain_tracker(self) -> AnyTrackerConfig:
+        """The pretrain stage's tracker as it resolves it for its committed output: the run family that evaluation
+        runs join (the default JSONL directory is `<pretrain output>/tracker`)."""
+        return tracker_config(self.pretrain.tracker, self.pretrain_output)
+
+    def evaluate_inputs(self) -> EvaluateInputs:
+        """Where the evaluate stage reads from; with `evaluate.finetune`, the fine-tuned weights and split too."""
+        finetune = self.evaluate.finetune
+        return EvaluateInputs(
+            validation_shards=self.data_prep_output / "validation",
+            data_manifest=self.data_prep_output,
+            pretrain_output=self.pretrain_output,
+            pretrain_model=self.pretrain.model,
+            pretrain_seq_len=self.pretrain.seq_len,
+            convert_output=self.convert_output,
+            finetune_output=self.finetune_output if finetune else None,
+            finetune_validation_shards=self.finetune_data_output / "validation" if finetune else None,
+            tracker=self.pretrain_tracker,
+        )
 
     @property
     def finetune_output(self) -> Path:

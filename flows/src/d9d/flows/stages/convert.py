@@ -73,4 +73,4 @@ def convert_flow(job: dict[str, Any]) -> dict[str, Any]:
             return skipped(plan, completeness).to_json()
         progress.note(f"convert: running {plan.mapping} on {source} ({completeness.reason})")
         result = convert_task(directory, plan)
-    return StageResult(**{**result.to_json(), "reason": completeness.reason}).to_json()
+    return result.with_reason(completeness.reason).to_json()

@@ -56,4 +56,4 @@ def data_prep_flow(job: dict[str, Any]) -> dict[str, Any]:
             return skipped(plan, completeness).to_json()
         progress.note(f"data-prep: running ({completeness.reason})")
         result = tokenize_task(directory, plan)
-    return StageResult(**{**result.to_json(), "reason": completeness.reason}).to_json()
+    return result.with_reason(completeness.reason).to_json()

@@ -15,7 +15,6 @@ from d9d.flows.jobs.config import JobConfig
 from d9d.flows.jobs.contract import Completeness, StageDirectory, StageResult
 from d9d.flows.jobs.evaluate.stage import (
     REPORT_MARKDOWN,
-    EvaluateInputs,
     EvaluatePlan,
     commit,
     plan_evaluate,
@@ -35,21 +34,10 @@ def _progress() -> Progress:
 def plan_task(config: JobConfig) -> EvaluatePlan:
     require_complete(config.data_prep_output, "data-prep", "evaluate")
     require_complete(config.pretrain_output, "pretrain", "evaluate")
-    finetune = config.evaluate.finetune
-    if finetune:
+    if config.evaluate.finetune:
         require_complete(config.finetune_output, "finetune", "evaluate")
         require_complete(config.finetune_data_output, "finetune-data", "evaluate")
-    inputs = EvaluateInputs(
-        validation_shards=config.data_prep_output / "validation",
-        data_manifest=config.data_prep_output,
-        pretrain_output=config.pretrain_output,
-        pretrain_model=config.pretrain.model,
-        pretrain_seq_len=config.pretrain.seq_len,
-        convert_output=config.convert_output,
-        finetune_output=config.finetune_output if finetune else None,
-        finetune_validation_shards=config.finetune_data_output / "validation" if finetune else None,
-    )
-    return plan_evaluate(config.evaluate, inputs, config.evaluate_output)
+    return plan_evaluate(config.evaluate, config.evaluate_inputs(), config.evaluate_output)
 
 
 @task(name="check-manifest", cache_policy=NO_CACHE, persist_result=False)
@@ -94,6 +82,6 @@ def evaluate_flow(job: dict[str, Any]) -> dict[str, Any]:
                 f"({completeness.reason})"
             )
             ran = evaluate_task(directory, plan)
-            result = StageResult(**{**ran.to_json(), "reason": completeness.reason})
+            result = ran.with_reason(completeness.reason)
     publish_task(result)
     return result.to_json()

@@ -73,4 +73,4 @@ def finetune_flow(job: dict[str, Any]) -> dict[str, Any]:
             return skipped(plan, completeness).to_json()
         progress.note(f"finetune: running {config.finetune.peft.kind} ({completeness.reason})")
         result = finetune_task(directory, plan)
-    return StageResult(**{**result.to_json(), "reason": completeness.reason}).to_json()
+    return result.with_reason(completeness.reason).to_json()

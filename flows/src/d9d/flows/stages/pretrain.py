@@ -71,4 +71,4 @@ def pretrain_flow(job: dict[str, Any]) -> dict[str, Any]:
             return skipped(plan, completeness).to_json()
         progress.note(f"pretrain: running ({completeness.reason}); starts from {plan.init_note}")
         result = train_task(directory, plan)
-    return StageResult(**{**result.to_json(), "reason": completeness.reason}).to_json()
+    return result.with_reason(completeness.reason).to_json()

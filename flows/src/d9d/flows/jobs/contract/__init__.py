@@ -1,5 +1,6 @@
 """The stage contract: stages exchange paths and manifests; a manifest, not an orchestrator's cache, says done."""
 
+from d9d.flows.jobs.contract.commit import StageReporter
 from d9d.flows.jobs.contract.fingerprint import FileFingerprint, digest_json, package_versions, sha256_file
 from d9d.flows.jobs.contract.manifest import MANIFEST_FILENAME, ManifestError, StageKey, StageManifest
 from d9d.flows.jobs.contract.result import StageResult, StageStatus
@@ -23,6 +24,7 @@ __all__ = [
     "StageDirectory",
     "StageKey",
     "StageManifest",
+    "StageReporter",
     "StageResult",
     "StageStatus",
     "Status",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 StageStatus = Literal["ran", "skipped"]
@@ -17,6 +17,10 @@ class StageResult:
     manifest: str
     artifacts: dict[str, str] = field(default_factory=dict)  # label -> path, for the final summary
     statistics: dict[str, Any] = field(default_factory=dict)
+
+    def with_reason(self, reason: str) -> StageResult:
+        """This result giving `reason` (a flow reports why the stage ran: its manifest check, not the commit)."""
+        return replace(self, reason=reason)
 
     def to_json(self) -> dict[str, Any]:
         return {

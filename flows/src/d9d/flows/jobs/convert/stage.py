@@ -5,20 +5,17 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from d9d.flows.jobs.contract import (
-    MANIFEST_FILENAME,
     Completeness,
     FileFingerprint,
     PartialStage,
     StageDirectory,
     StageKey,
+    StageReporter,
     StageResult,
-    StageStatus,
-    package_versions,
 )
 from d9d.flows.jobs.convert.config import ConvertConfig
 from d9d.flows.jobs.progress import NoProgress, Progress
@@ -120,23 +117,17 @@ def run_convert(plan: ConvertPlan, partial: PartialStage) -> tuple[list[str], di
     return files, statistics
 
 
+REPORTER = StageReporter(STAGE_NAME, RECORDED_PACKAGES, lambda output, _: {"checkpoint": str(output / CHECKPOINT_DIR)})
+
+
 def commit(
     directory: StageDirectory, partial: PartialStage, plan: ConvertPlan, files: list[str], statistics: dict[str, Any]
 ) -> StageResult:
-    manifest = directory.commit(
-        partial,
-        plan.key,
-        outputs=files,
-        packages=package_versions(RECORDED_PACKAGES),
-        statistics=statistics,
-        created_at=datetime.now(UTC).isoformat(timespec="seconds"),
-    )
-    return _result(plan.output, "ran", "", manifest.statistics)
+    return REPORTER.commit(directory, partial, plan.key, plan.output, outputs=files, statistics=statistics)
 
 
 def skipped(plan: ConvertPlan, completeness: Completeness) -> StageResult:
-    assert completeness.manifest is not None
-    return _result(plan.output, "skipped", f"up to date: {completeness.reason}", completeness.manifest.statistics)
+    return REPORTER.skipped(plan.output, completeness)
 
 
 def convert_model(
@@ -158,16 +149,4 @@ def convert_model(
         partial = directory.open_partial()
         files, statistics = run_convert(plan, partial)
         result = commit(directory, partial, plan, files, statistics)
-    return StageResult(**{**result.to_json(), "reason": completeness.reason})
-
-
-def _result(output: Path, status: StageStatus, reason: str, statistics: dict[str, Any]) -> StageResult:
-    return StageResult(
-        stage=STAGE_NAME,
-        status=status,
-        reason=reason,
-        output=str(output),
-        manifest=str(output / MANIFEST_FILENAME),
-        artifacts={"checkpoint": str(output / CHECKPOINT_DIR)},
-        statistics=dict(statistics),
-    )
+    return result.with_reason(completeness.reason)

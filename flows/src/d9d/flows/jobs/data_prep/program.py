@@ -24,7 +24,6 @@ from d9d.flows.jobs.contract import (
     StageKey,
     StageManifest,
     digest_json,
-    package_versions,
 )
 from d9d.flows.jobs.data_prep.config import DataPrepConfig, FileTokenizer, TrainBpeTokenizer
 from d9d.flows.jobs.data_prep.corpus import (
@@ -225,10 +224,6 @@ def run_data_prep(plan: DataPrepPlan, partial: PartialStage, *, progress: Progre
         "python": platform.python_version(),
     }
     return DataPrepOutcome(outputs=outputs, statistics=statistics)
-
-
-def recorded_packages() -> dict[str, str]:
-    return package_versions(RECORDED_PACKAGES)
 
 
 def _tokenizer_source(config: DataPrepConfig) -> str:

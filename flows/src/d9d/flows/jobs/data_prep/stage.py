@@ -2,48 +2,48 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 from d9d.flows.jobs.contract import (
-    MANIFEST_FILENAME,
     Completeness,
     PartialStage,
     StageDirectory,
+    StageReporter,
     StageResult,
-    StageStatus,
 )
 from d9d.flows.jobs.data_prep.config import DataPrepConfig
 from d9d.flows.jobs.data_prep.program import (
+    RECORDED_PACKAGES,
     STAGE_NAME,
     TOKENIZER_FILE,
     DataPrepOutcome,
     DataPrepPlan,
     plan_data_prep,
-    recorded_packages,
     run_data_prep,
 )
 from d9d.flows.jobs.progress import NoProgress, Progress
 
+REPORTER = StageReporter(
+    STAGE_NAME,
+    RECORDED_PACKAGES,
+    lambda output, _: {
+        "tokenizer": str(output / TOKENIZER_FILE),
+        "train shards": str(output / "train"),
+        "validation shards": str(output / "validation"),
+    },
+)
+
 
 def skipped(plan: DataPrepPlan, completeness: Completeness) -> StageResult:
-    assert completeness.manifest is not None
-    return _result(plan.output, "skipped", f"up to date: {completeness.reason}", completeness.manifest.statistics)
+    return REPORTER.skipped(plan.output, completeness)
 
 
 def commit(
     directory: StageDirectory, partial: PartialStage, plan: DataPrepPlan, outcome: DataPrepOutcome
 ) -> StageResult:
-    manifest = directory.commit(
-        partial,
-        plan.key,
-        outputs=outcome.outputs,
-        packages=recorded_packages(),
-        statistics=outcome.statistics,
-        created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+    return REPORTER.commit(
+        directory, partial, plan.key, plan.output, outputs=outcome.outputs, statistics=outcome.statistics
     )
-    return _result(plan.output, "ran", "", manifest.statistics)
 
 
 def prepare_data(config: DataPrepConfig, output: Path, *, progress: Progress | None = None) -> StageResult:
@@ -58,20 +58,4 @@ def prepare_data(config: DataPrepConfig, output: Path, *, progress: Progress | N
         partial = directory.open_partial()
         outcome = run_data_prep(plan, partial, progress=progress)
         result = commit(directory, partial, plan, outcome)
-    return StageResult(**{**result.to_json(), "reason": completeness.reason})
-
-
-def _result(output: Path, status: StageStatus, reason: str, statistics: dict[str, Any]) -> StageResult:
-    return StageResult(
-        stage=STAGE_NAME,
-        status=status,
-        reason=reason,
-        output=str(output),
-        manifest=str(output / MANIFEST_FILENAME),
-        artifacts={
-            "tokenizer": str(output / TOKENIZER_FILE),
-            "train shards": str(output / "train"),
-            "validation shards": str(output / "validation"),
-        },
-        statistics=dict(statistics),
-    )
+    return result.with_reason(completeness.reason)

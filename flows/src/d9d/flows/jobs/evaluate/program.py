@@ -63,6 +63,9 @@ class EvaluateConfig(BaseModel):
     tracker: AnyTrackerConfig = Field(
         default_factory=NoTrackerConfig, description="log the results into this run family (e.g. pretrain's tracker)"
     )
+    run_name: str = Field(
+        default="evaluate", description="the tracker run's name (aim, wandb; JSONL and TensorBoard keep it in hparams)"
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,16 +138,18 @@ def write_report(report: EvaluationReport, output: Path) -> None:
     (output / "evaluation.md").write_text(markdown, encoding="utf-8")
 
 
-def log_report(report: EvaluationReport, config: EvaluateConfig) -> None:
+def log_report(report: EvaluationReport, config: EvaluateConfig) -> str:
     """Log the results as a new run of the training run's family (the same aim experiment, wandb group, JSONL or
-    TensorBoard directory) at the evaluated checkpoint's step; call it on the main process."""
+    TensorBoard directory) at the evaluated checkpoint's step; call it on the main process. Returns the run's id."""
     step = 0
     if report.checkpoint is not None and (Path(report.checkpoint) / TRAINER_STATE_FILE).is_file():
         step = int(json.loads((Path(report.checkpoint) / TRAINER_STATE_FILE).read_text(encoding="utf-8"))["step"])
-    tracker = build_tracker(config.tracker, enabled=True, hparams=config.model_dump(mode="json"), name="evaluate")
+    tracker = build_tracker(config.tracker, enabled=True, hparams=config.model_dump(mode="json"), name=config.run_name)
     values = {"loss": report.loss, "perplexity": report.perplexity, "bits_per_byte": report.bits_per_byte}
     tracker.log(step, {f"evaluate/{name}": value for name, value in values.items()})
+    run_id = tracker.run_id  # before close: an aim tracker would open a new run after it
     tracker.close()
+    return run_id
 
 
 class EvaluateCandidate(BaseModel):
@@ -186,6 +191,7 @@ class EvaluateSuiteConfig(BaseModel):
             checkpoint=candidate.checkpoint,
             weights=candidate.weights,
             output=self.output / candidate.name,
+            run_name=f"evaluate {candidate.name}",
         )
 
 
@@ -206,8 +212,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             report = run_evaluate(config, ctx)
             if ctx.is_main_process:
                 write_report(report, config.output)
-                log_report(report, config)
-                emit_progress({"event": "evaluated", "output": str(config.output)})
+                run_id = log_report(report, config)
+                emit_progress({"event": "evaluated", "output": str(config.output), "tracker_run_id": run_id})
     return 0
 
 

@@ -8,14 +8,16 @@ Splits: `pretrain-data` (the data-prep stage's validation split) and `finetune-d
 when `finetune` is on). Every checkpoint x split runs in one `torchrun` launch of the evaluate rank program. The
 stage writes `evaluation.json`, `evaluation.md`, `loss_curve.png` (pretrain loss per step with each checkpoint's
 held-out loss on the pretrain data) and `finetune_loss_curve.png` (the same for fine-tuning, on the fine-tune data).
-No Prefect here.
+Each checkpoint x split is also logged as a run of the pretrain stage's tracker family (`EvaluateInputs.tracker`:
+the same JSONL/TensorBoard directory, aim experiment or wandb group), named `evaluate <checkpoint>.<split>`; the
+statistics record those runs. No Prefect here.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from datetime import UTC, datetime
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,16 +32,17 @@ from d9d.flows.jobs.contract import (
     StageDirectory,
     StageKey,
     StageManifest,
+    StageReporter,
     StageResult,
-    StageStatus,
-    package_versions,
 )
 from d9d.flows.jobs.evaluate.plot import PlotUnavailable, plot_loss_curve
 from d9d.flows.jobs.evaluate.program import EvaluateCandidate, EvaluateSuiteConfig
 from d9d.flows.jobs.launch import LaunchSpec, launch
 from d9d.flows.jobs.pretrain.config import AnyModelConfig, Qwen3DenseModelConfig, Qwen3MoeModelConfig
-from d9d.flows.jobs.pretrain.stage import CHECKPOINTS_DIR, LOSSES_FILE, PARAMETERS_FILE, read_losses
+from d9d.flows.jobs.pretrain.stage import CHECKPOINTS_DIR, PARAMETERS_FILE, tracker_location
 from d9d.flows.jobs.progress import Progress
+from d9d.flows.jobs.torchrun_stage import LOSSES_FILE, read_losses
+from d9d.metrics.trackers import AnyTrackerConfig, JsonlTrackerConfig, NoTrackerConfig, TensorBoardTrackerConfig
 from d9d.models.qwen3 import Qwen3DenseParameters, Qwen3MoeParameters
 
 STAGE_NAME = "evaluate"
@@ -98,6 +101,8 @@ class EvaluateInputs:
     convert_output: Path
     finetune_output: Path | None = None  # None: no fine-tuned checkpoint and no fine-tune split
     finetune_validation_shards: Path | None = None
+    # The pretrain stage's tracker as it resolved it: evaluations join the training run's family. Not in the key.
+    tracker: AnyTrackerConfig = field(default_factory=NoTrackerConfig)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -200,20 +205,34 @@ def plan_evaluate(config: EvaluateStageConfig, inputs: EvaluateInputs, output: P
     )
 
 
-def run_evaluate_stage(plan: EvaluatePlan, partial: PartialStage, progress: Progress) -> dict[str, Any]:
-    """Evaluate every checkpoint on every split in one launch, then write the reports and the loss curves."""
-    candidates = plan.candidates
-    suite = EvaluateSuiteConfig(
-        candidates=list(candidates),
+def suite_config(plan: EvaluatePlan, root: Path) -> EvaluateSuiteConfig:
+    """The rank program's config: every checkpoint on every split, reporting into `root/<checkpoint>.<split>/` and
+    logging into the pretrain stage's tracker family."""
+    return EvaluateSuiteConfig(
+        candidates=list(plan.candidates),
         shards=plan.inputs.validation_shards,
         seq_len=plan.seq_len,
         rows_per_step=plan.config.rows_per_step,
         steps=plan.config.steps,
-        output=partial.root,
+        output=root,
         device=plan.config.device,
+        tracker=plan.inputs.tracker,
     )
+
+
+def run_evaluate_stage(plan: EvaluatePlan, partial: PartialStage, progress: Progress) -> dict[str, Any]:
+    """Evaluate every checkpoint on every split in one launch, then write the reports and the loss curves."""
+    candidates = plan.candidates
+    suite = suite_config(plan, partial.root)
     suite_file = partial.root / SUITE_FILE
     suite_file.write_text(yaml.safe_dump(suite.model_dump(mode="json"), sort_keys=False), encoding="utf-8")
+    run_ids: dict[str, str] = {}
+
+    def evaluated(record: dict[str, Any]) -> None:
+        name = Path(str(record.get("output", ""))).name
+        run_ids[name] = str(record.get("tracker_run_id", ""))
+        progress.advance(1.0, name)
+
     progress.start("evaluate", float(len(candidates)), "evaluations")
     try:
         launch(
@@ -224,7 +243,7 @@ def run_evaluate_stage(plan: EvaluatePlan, partial: PartialStage, progress: Prog
                 log_file=partial.root / LOG_FILE,
                 grace_seconds=plan.config.grace_seconds,
             ),
-            on_progress=lambda record: progress.advance(1.0, Path(str(record.get("output", ""))).name),
+            on_progress=evaluated,
         )
     finally:
         progress.finish()
@@ -244,10 +263,26 @@ def run_evaluate_stage(plan: EvaluatePlan, partial: PartialStage, progress: Prog
         "notes": notes,
         "loss_curves": curves,
         "validation_tokens": {split: _tokens(reports, split) for split in plan.splits},
+        "tracker": tracker_runs(plan.inputs.tracker, run_ids),
     }
     (partial.root / REPORT_JSON).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     (partial.root / REPORT_MARKDOWN).write_text(report_markdown(summary), encoding="utf-8")
     return summary
+
+
+def tracker_runs(tracker: AnyTrackerConfig, run_ids: dict[str, str]) -> dict[str, Any]:
+    """The evaluation runs in the training run's family: candidate name -> its run's name, id and location."""
+    runs = {
+        name: {"name": f"evaluate {name}", "run_id": run_id, "location": tracker_location(tracker, run_id)}
+        for name, run_id in run_ids.items()
+    }
+    # JSONL and TensorBoard runs are files/folders of one directory; aim and wandb runs join an experiment/group.
+    family = str(tracker.directory) if isinstance(tracker, JsonlTrackerConfig | TensorBoardTrackerConfig) else ""
+    return {
+        "kind": tracker.kind,
+        "family": family or tracker_location(tracker, ""),
+        "runs": runs if tracker.kind != "none" else {},
+    }
 
 
 def _draw_curves(plan: EvaluatePlan, reports: dict[str, dict[str, Any]], root: Path, notes: list[str]) -> list[str]:
@@ -324,38 +359,28 @@ def table_rows(statistics: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
+def _artifacts(output: Path, statistics: Mapping[str, Any]) -> dict[str, str]:
+    artifacts = {"report": str(output / REPORT_MARKDOWN)}
+    for name in statistics.get("loss_curves", []):
+        artifacts["loss curve" if name == LOSS_CURVE else "fine-tune curve"] = str(output / name)
+    tracker = statistics.get("tracker")
+    if isinstance(tracker, dict) and tracker.get("runs"):
+        runs = len(tracker["runs"])
+        artifacts["tracker run"] = f"{tracker['kind']}, {runs} runs (checkpoint x split): {tracker['family']}"
+    return artifacts
+
+
+REPORTER = StageReporter(STAGE_NAME, RECORDED_PACKAGES, _artifacts)
+
+
 def commit(
     directory: StageDirectory, partial: PartialStage, plan: EvaluatePlan, statistics: dict[str, Any]
 ) -> StageResult:
     files = [SUITE_FILE, LOG_FILE, REPORT_JSON, REPORT_MARKDOWN, *statistics.get("loss_curves", [])]
     for candidate in plan.candidates:
         files += [f"{candidate.name}/{REPORT_JSON}", f"{candidate.name}/{REPORT_MARKDOWN}"]
-    manifest = directory.commit(
-        partial,
-        plan.key,
-        outputs=files,
-        packages=package_versions(RECORDED_PACKAGES),
-        statistics=statistics,
-        created_at=datetime.now(UTC).isoformat(timespec="seconds"),
-    )
-    return result_of(plan.output, "ran", "", manifest.statistics)
+    return REPORTER.commit(directory, partial, plan.key, plan.output, outputs=files, statistics=statistics)
 
 
 def skipped(plan: EvaluatePlan, completeness: Completeness) -> StageResult:
-    assert completeness.manifest is not None
-    return result_of(plan.output, "skipped", f"up to date: {completeness.reason}", completeness.manifest.statistics)
-
-
-def result_of(output: Path, status: StageStatus, reason: str, statistics: dict[str, Any]) -> StageResult:
-    artifacts = {"report": str(output / REPORT_MARKDOWN)}
-    for name in statistics.get("loss_curves", []):
-        artifacts["loss curve" if name == LOSS_CURVE else "fine-tune curve"] = str(output / name)
-    return StageResult(
-        stage=STAGE_NAME,
-        status=status,
-        reason=reason,
-        output=str(output),
-        manifest=str(output / MANIFEST_FILENAME),
-        artifacts=artifacts,
-        statistics=dict(statistics),
-    )
+    return REPORTER.skipped(plan.output, completeness)

@@ -11,15 +11,13 @@ loss before and after). No Prefect here.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
-from d9d.core.dist import MeshDegrees
 from d9d.core.loop import CheckpointingConfig, TrainerConfig
 from d9d.core.lr import AnyLRScheduleConfig, ConstantScheduleConfig
 from d9d.core.optim import AdamWConfig, AnyOptimizerConfig
@@ -30,34 +28,21 @@ from d9d.flows.jobs.contract import (
     PartialStage,
     StageDirectory,
     StageKey,
+    StageReporter,
     StageResult,
-    StageStatus,
-    package_versions,
 )
 from d9d.flows.jobs.finetune.config import FinetuneConfig, FinetuneValidationConfig
 from d9d.flows.jobs.finetune.program import REPORT_FILE
-from d9d.flows.jobs.launch import LaunchSpec, launch
 from d9d.flows.jobs.pretrain.config import AnyModelConfig, PretrainDataConfig
-from d9d.flows.jobs.pretrain.stage import (
-    CHECKPOINTS_DIR,
-    LOG_FILE,
-    LOSSES_FILE,
-    TRACKER_DIR,
-    StepTracker,
-    read_losses,
-    tracker_config,
-    tracker_run,
-)
+from d9d.flows.jobs.pretrain.stage import CHECKPOINTS_DIR, TRACKER_DIR, tracker_artifact, tracker_config, tracker_run
 from d9d.flows.jobs.progress import Progress
-from d9d.metrics.trackers import AnyTrackerConfig
-from d9d.parallel import AnyDataParallelConfig, FsdpConfig
+from d9d.flows.jobs.torchrun_stage import JOB_FILE, LOG_FILE, LOSSES_FILE, TorchrunStageSettings, launch_training
 from d9d.peft import AnyPeftConfig
 from d9d.peft.config import LoRAConfig, LoRAParameters
 
 STAGE_NAME = "finetune"
 STAGE_VERSION = 1
 RECORDED_PACKAGES = ("d9d-core", "d9d-models", "d9d-parallel", "d9d-peft", "d9d-flows", "torch")
-JOB_FILE = "job.yaml"
 MERGED_DIR = "merged"
 
 # LoRA on every attention and MLP projection of the Qwen3 blocks (dense MLPs and grouped experts alike).
@@ -69,7 +54,7 @@ DEFAULT_PEFT = LoRAConfig.model_validate(
 )
 
 
-class FinetuneStageConfig(BaseModel):
+class FinetuneStageConfig(TorchrunStageSettings):
     """The `finetune` section of a job: the PEFT method and how long and how wide to train it."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -87,17 +72,6 @@ class FinetuneStageConfig(BaseModel):
     lr_schedule: AnyLRScheduleConfig = Field(default_factory=ConstantScheduleConfig)
     validation_rows_per_step: int = Field(default=8, gt=0, description="finetune.json's before/after loss")
     validation_steps: int = Field(default=4, ge=1)
-    nproc_per_node: int = Field(default=2, ge=1, description="local ranks under torchrun (gloo on CPU, NCCL on GPUs)")
-    degrees: MeshDegrees = Field(default_factory=lambda: MeshDegrees(dp_shard=-1))
-    data_parallel: AnyDataParallelConfig = Field(default_factory=FsdpConfig)
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    grace_seconds: float = Field(default=25.0, gt=0, description="after SIGTERM on cancel, before SIGKILL")
-    tracker: AnyTrackerConfig | None = Field(
-        default=None, description="experiment tracker; None: a JSONL tracker in the stage output's tracker/"
-    )
-    output: Path | None = Field(default=None, description="default: <workdir>/finetune")
-    retries: int = Field(default=0, ge=0)
-    retry_delay_seconds: float = Field(default=10.0, ge=0)
 
     @field_validator("peft", mode="before")
     @classmethod
@@ -106,25 +80,6 @@ class FinetuneStageConfig(BaseModel):
         if isinstance(value, dict) and "kind" not in value:
             return {**DEFAULT_PEFT.model_dump(mode="json"), **value}
         return value
-
-    def key_config(self) -> dict[str, Any]:
-        return {name: value for name, value in self.model_dump(mode="json").items() if name not in _NOT_IN_KEY}
-
-
-# As for pretrain: where and how wide it runs does not change what is trained.
-_NOT_IN_KEY = frozenset(
-    {
-        "nproc_per_node",
-        "degrees",
-        "data_parallel",
-        "device",
-        "grace_seconds",
-        "tracker",
-        "output",
-        "retries",
-        "retry_delay_seconds",
-    }
-)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -201,24 +156,9 @@ def rank_config(plan: FinetunePlan, root: Path) -> FinetuneConfig:
 def run_finetune_stage(plan: FinetunePlan, partial: PartialStage, progress: Progress) -> dict[str, Any]:
     """Launch the rank program on `nproc_per_node` ranks; returns the run's statistics."""
     config = plan.config
-    job_file = partial.root / JOB_FILE
-    job_file.write_text(
-        yaml.safe_dump(rank_config(plan, partial.root).model_dump(mode="json"), sort_keys=False), encoding="utf-8"
-    )
-    spec = LaunchSpec(
-        module="d9d.flows.jobs.finetune.program",
-        args=["--config", str(job_file)],
-        nproc_per_node=config.nproc_per_node,
-        log_file=partial.root / LOG_FILE,
-        grace_seconds=config.grace_seconds,
-    )
-    tracker = StepTracker(partial.root / LOSSES_FILE, progress, name=STAGE_NAME)
-    started = datetime.now(UTC)
-    try:
-        launch(spec, on_progress=tracker)
-    finally:
-        progress.finish()
-    losses = read_losses(partial.root / LOSSES_FILE)
+    job = rank_config(plan, partial.root)
+    run = launch_training("d9d.flows.jobs.finetune.program", job, config, partial.root, progress, name=STAGE_NAME)
+    losses = run.losses
     report_file = partial.root / REPORT_FILE
     if not losses or max(losses) != config.steps or not report_file.is_file():
         raise RuntimeError(
@@ -237,9 +177,22 @@ def run_finetune_stage(plan: FinetunePlan, partial: PartialStage, progress: Prog
         "base": report["base"],
         "tracker": tracker_run(config.tracker, partial.root, plan.output),
         "ranks": config.nproc_per_node,
-        "resumed_from": tracker.resumed_from,
-        "seconds": round((datetime.now(UTC) - started).total_seconds(), 1),
+        "resumed_from": run.resumed_from,
+        "seconds": run.seconds(),
     }
+
+
+def _artifacts(output: Path, statistics: Mapping[str, Any]) -> dict[str, str]:
+    return {
+        "merged weights": str(output / MERGED_DIR),
+        "adapter": str(output / "adapter"),
+        "checkpoints": str(output / CHECKPOINTS_DIR),
+        "losses": str(output / LOSSES_FILE),
+        **tracker_artifact(statistics),
+    }
+
+
+REPORTER = StageReporter(STAGE_NAME, RECORDED_PACKAGES, _artifacts)
 
 
 def commit(
@@ -249,38 +202,8 @@ def commit(
     for name in (CHECKPOINTS_DIR, TRACKER_DIR, "adapter", MERGED_DIR):
         folder = partial.root / name
         files += sorted(str(path.relative_to(partial.root)) for path in folder.rglob("*") if path.is_file())
-    manifest = directory.commit(
-        partial,
-        plan.key,
-        outputs=files,
-        packages=package_versions(RECORDED_PACKAGES),
-        statistics=statistics,
-        created_at=datetime.now(UTC).isoformat(timespec="seconds"),
-    )
-    return result_of(plan.output, "ran", "", manifest.statistics)
+    return REPORTER.commit(directory, partial, plan.key, plan.output, outputs=files, statistics=statistics)
 
 
 def skipped(plan: FinetunePlan, completeness: Completeness) -> StageResult:
-    assert completeness.manifest is not None
-    return result_of(plan.output, "skipped", f"up to date: {completeness.reason}", completeness.manifest.statistics)
-
-
-def result_of(output: Path, status: StageStatus, reason: str, statistics: dict[str, Any]) -> StageResult:
-    artifacts = {
-        "merged weights": str(output / MERGED_DIR),
-        "adapter": str(output / "adapter"),
-        "checkpoints": str(output / CHECKPOINTS_DIR),
-        "losses": str(output / LOSSES_FILE),
-    }
-    tracker = statistics.get("tracker")
-    if isinstance(tracker, dict) and tracker.get("kind") != "none":
-        artifacts["tracker run"] = f"{tracker['kind']} {tracker['run_id']}: {tracker['location']}"
-    return StageResult(
-        stage=STAGE_NAME,
-        status=status,
-        reason=reason,
-        output=str(output),
-        manifest=str(output / MANIFEST_FILENAME),
-        artifacts=artifacts,
-        statistics=dict(statistics),
-    )
+    return REPORTER.skipped(plan.output, completeness)

@@ -10,32 +10,34 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
-from d9d.core.dist import MeshDegrees
 from d9d.core.loop import CheckpointingConfig, TrainerConfig
 from d9d.core.lr import AnyLRScheduleConfig, ConstantScheduleConfig
 from d9d.core.optim import AdamWConfig, AnyOptimizerConfig
 from d9d.flows.jobs.contract import (
-    MANIFEST_FILENAME,
     Completeness,
     FileFingerprint,
     PartialStage,
     StageDirectory,
     StageKey,
+    StageReporter,
     StageResult,
-    StageStatus,
-    package_versions,
 )
-from d9d.flows.jobs.launch import LaunchSpec, launch
 from d9d.flows.jobs.pretrain.config import AnyModelConfig, PretrainConfig, PretrainDataConfig, Qwen3DenseModelConfig
 from d9d.flows.jobs.progress import Progress
+from d9d.flows.jobs.torchrun_stage import (
+    JOB_FILE,
+    LOG_FILE,
+    LOSSES_FILE,
+    TorchrunStageSettings,
+    launch_training,
+)
 from d9d.metrics.trackers import AnyTrackerConfig
 from d9d.metrics.trackers.config import (
     AimTrackerConfig,
@@ -45,14 +47,10 @@ from d9d.metrics.trackers.config import (
     WandbTrackerConfig,
 )
 from d9d.models.qwen3 import Qwen3DenseParameters, Qwen3MoeParameters
-from d9d.parallel import AnyDataParallelConfig, FsdpConfig
 
 STAGE_NAME = "pretrain"
 STAGE_VERSION = 1
 RECORDED_PACKAGES = ("d9d-core", "d9d-models", "d9d-parallel", "d9d-flows", "torch")
-JOB_FILE = "job.yaml"
-LOSSES_FILE = "losses.jsonl"
-LOG_FILE = "launch.log"
 CHECKPOINTS_DIR = "checkpoints"
 TRACKER_DIR = "tracker"
 RUN_KEY_FILE = "run-key.json"
@@ -66,7 +64,7 @@ DEFAULT_MODEL = Qwen3DenseModelConfig(
 )  # fmt: skip
 
 
-class PretrainStageConfig(BaseModel):
+class PretrainStageConfig(TorchrunStageSettings):
     """The `pretrain` section of a job: the model and how long and how wide to train it.
 
     `init_from="convert"` starts from the convert stage's checkpoint when its parameters equal `model.parameters`
@@ -89,38 +87,6 @@ class PretrainStageConfig(BaseModel):
     optimizer: AnyOptimizerConfig = Field(default_factory=AdamWConfig)
     lr_schedule: AnyLRScheduleConfig = Field(default_factory=ConstantScheduleConfig)
     init_from: Literal["convert", "random"] = "convert"
-    nproc_per_node: int = Field(default=2, ge=1, description="local ranks under torchrun (gloo on CPU, NCCL on GPUs)")
-    degrees: MeshDegrees = Field(default_factory=lambda: MeshDegrees(dp_shard=-1))
-    data_parallel: AnyDataParallelConfig = Field(default_factory=FsdpConfig)
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    # Below the 30 s a Prefect runner waits before it SIGKILLs a cancelled flow-run process (and with it the launcher).
-    grace_seconds: float = Field(default=25.0, gt=0, description="after SIGTERM on cancel, before SIGKILL")
-    tracker: AnyTrackerConfig | None = Field(
-        default=None, description="experiment tracker; None: a JSONL tracker in the stage output's tracker/"
-    )
-    output: Path | None = Field(default=None, description="default: <workdir>/pretrain")
-    retries: int = Field(default=0, ge=0)
-    retry_delay_seconds: float = Field(default=10.0, ge=0)
-
-    def key_config(self) -> dict[str, Any]:
-        return {name: value for name, value in self.model_dump(mode="json").items() if name not in _NOT_IN_KEY}
-
-
-# Settings that do not change what is trained (how many ranks, where, how patiently) stay out of the key: a
-# checkpoint resumes on another data-parallel size with the same global batch.
-_NOT_IN_KEY = frozenset(
-    {
-        "nproc_per_node",
-        "degrees",
-        "data_parallel",
-        "device",
-        "grace_seconds",
-        "tracker",
-        "output",
-        "retries",
-        "retry_delay_seconds",
-    }
-)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -213,18 +179,22 @@ def tracker_run(configured: AnyTrackerConfig | None, partial: Path, output: Path
     tracker = tracker_config(configured, output)
     checkpoints = sorted((partial / CHECKPOINTS_DIR).glob("step-*/trainer_state.json"))
     run_id = str(json.loads(checkpoints[-1].read_text(encoding="utf-8")).get("tracker_run_id")) if checkpoints else ""
+    return {"kind": tracker.kind, "run_id": run_id, "location": tracker_location(tracker, run_id)}
+
+
+def tracker_location(tracker: AnyTrackerConfig, run_id: str) -> str:
+    """Where run `run_id` of `tracker` is: its file or folder, or the aim experiment / wandb directory it joins."""
     match tracker:
         case JsonlTrackerConfig():
-            location = str(tracker.directory / f"{run_id}.jsonl")
+            return str(tracker.directory / f"{run_id}.jsonl")
         case TensorBoardTrackerConfig():
-            location = str(tracker.directory / run_id)
+            return str(tracker.directory / run_id)
         case AimTrackerConfig():
-            location = f"aim repository {tracker.repo}, experiment {tracker.experiment}"
+            return f"aim repository {tracker.repo}, experiment {tracker.experiment}"
         case WandbTrackerConfig():
-            location = f"wandb {tracker.mode} run in {tracker.directory / 'wandb'}"
+            return f"wandb {tracker.mode} run in {tracker.directory / 'wandb'}"
         case NoTrackerConfig():
-            location = "none"
-    return {"kind": tracker.kind, "run_id": run_id, "location": location}
+            return "none"
 
 
 def prepare_partial(partial: PartialStage, key: StageKey) -> str:
@@ -251,25 +221,9 @@ def prepare_partial(partial: PartialStage, key: StageKey) -> str:
 def run_pretrain_stage(plan: PretrainPlan, partial: PartialStage, progress: Progress) -> dict[str, Any]:
     """Launch the rank program on `nproc_per_node` ranks; returns the run's statistics."""
     config = plan.config
-    job_file = partial.root / JOB_FILE
-    job_file.write_text(
-        yaml.safe_dump(rank_config(plan, partial.root / CHECKPOINTS_DIR).model_dump(mode="json"), sort_keys=False),
-        encoding="utf-8",
-    )
-    spec = LaunchSpec(
-        module="d9d.flows.jobs.pretrain.program",
-        args=["--config", str(job_file)],
-        nproc_per_node=config.nproc_per_node,
-        log_file=partial.root / LOG_FILE,
-        grace_seconds=config.grace_seconds,
-    )
-    tracker = StepTracker(partial.root / LOSSES_FILE, progress, name=STAGE_NAME)
-    started = datetime.now(UTC)
-    try:
-        launch(spec, on_progress=tracker)
-    finally:
-        progress.finish()
-    losses = read_losses(partial.root / LOSSES_FILE)
+    job = rank_config(plan, partial.root / CHECKPOINTS_DIR)
+    run = launch_training("d9d.flows.jobs.pretrain.program", job, config, partial.root, progress, name=STAGE_NAME)
+    losses = run.losses
     if not losses or max(losses) != config.steps:
         raise RuntimeError(
             f"pretrain: the rank program exited before step {config.steps} (last: {max(losses, default=0)}); "
@@ -281,39 +235,25 @@ def run_pretrain_stage(plan: PretrainPlan, partial: PartialStage, progress: Prog
         "tracker": tracker_run(config.tracker, partial.root, plan.output),
         "ranks": config.nproc_per_node,
         "init": plan.init_note,
-        "resumed_from": tracker.resumed_from,
-        "seconds": round((datetime.now(UTC) - started).total_seconds(), 1),
+        "resumed_from": run.resumed_from,
+        "seconds": run.seconds(),
     }
 
 
-class StepTracker:
-    """Turns a training rank program's progress lines into progress updates and a losses file (step -> loss)."""
-
-    def __init__(self, path: Path, progress: Progress, *, name: str) -> None:
-        self._path = path
-        self._name = name
-        self._progress = progress
-        self.resumed_from: str | None = None
-
-    def __call__(self, record: dict[str, Any]) -> None:
-        match record.get("event"):
-            case "started":
-                self.resumed_from = record.get("resumed_from")
-                self._progress.start(self._name, float(record["total"]), "steps")
-                if record["step"]:
-                    self._progress.advance(float(record["step"]), f"resumed from {self.resumed_from}")
-            case "step":
-                with self._path.open("a", encoding="utf-8") as handle:
-                    handle.write(json.dumps({"step": record["step"], "loss": record["loss"]}) + "\n")
-                self._progress.advance(1.0, f"loss {record['loss']:.3f}")
+def _artifacts(output: Path, statistics: Mapping[str, Any]) -> dict[str, str]:
+    artifacts = {"checkpoints": str(output / CHECKPOINTS_DIR), "losses": str(output / LOSSES_FILE)}
+    return {**artifacts, **tracker_artifact(statistics)}
 
 
-def read_losses(path: Path) -> dict[int, float]:
-    """Step -> training loss; a step recorded by several attempts keeps its last value."""
-    if not path.is_file():
-        return {}
-    records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    return {int(record["step"]): float(record["loss"]) for record in records}
+def tracker_artifact(statistics: Mapping[str, Any]) -> dict[str, str]:
+    """The training run's tracker run (kind, id, where), for the summary; nothing without a tracker."""
+    tracker = statistics.get("tracker")
+    if isinstance(tracker, dict) and tracker.get("kind") != "none":
+        return {"tracker run": f"{tracker['kind']} {tracker['run_id']}: {tracker['location']}"}
+    return {}
+
+
+REPORTER = StageReporter(STAGE_NAME, RECORDED_PACKAGES, _artifacts)
 
 
 def commit(
@@ -323,33 +263,8 @@ def commit(
     files = [JOB_FILE, LOSSES_FILE, LOG_FILE]
     for folder in (checkpoints, partial.root / TRACKER_DIR):
         files += sorted(str(path.relative_to(partial.root)) for path in folder.rglob("*") if path.is_file())
-    manifest = directory.commit(
-        partial,
-        plan.key,
-        outputs=files,
-        packages=package_versions(RECORDED_PACKAGES),
-        statistics=statistics,
-        created_at=datetime.now(UTC).isoformat(timespec="seconds"),
-    )
-    return result_of(plan.output, "ran", "", manifest.statistics)
+    return REPORTER.commit(directory, partial, plan.key, plan.output, outputs=files, statistics=statistics)
 
 
 def skipped(plan: PretrainPlan, completeness: Completeness) -> StageResult:
-    assert completeness.manifest is not None
-    return result_of(plan.output, "skipped", f"up to date: {completeness.reason}", completeness.manifest.statistics)
-
-
-def result_of(output: Path, status: StageStatus, reason: str, statistics: dict[str, Any]) -> StageResult:
-    artifacts = {"checkpoints": str(output / CHECKPOINTS_DIR), "losses": str(output / LOSSES_FILE)}
-    tracker = statistics.get("tracker")
-    if isinstance(tracker, dict) and tracker.get("kind") != "none":
-        artifacts["tracker run"] = f"{tracker['kind']} {tracker['run_id']}: {tracker['location']}"
-    return StageResult(
-        stage=STAGE_NAME,
-        status=status,
-        reason=reason,
-        output=str(output),
-        manifest=str(output / MANIFEST_FILENAME),
-        artifacts=artifacts,
-        statistics=dict(statistics),
-    )
+    return REPORTER.skipped(plan.output, completeness)

@@ -1,0 +1,110 @@
+"""What the training stages (pretrain, fine-tune) share: where and how wide they run under `torchrun`, and the launch
+of their rank program with its progress turned into a losses file."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from d9d.core.dist import MeshDegrees
+from d9d.flows.jobs.launch import LaunchSpec, launch
+from d9d.flows.jobs.progress import Progress
+from d9d.metrics.trackers import AnyTrackerConfig
+from d9d.parallel import AnyDataParallelConfig, FsdpConfig
+
+JOB_FILE = "job.yaml"
+LOSSES_FILE = "losses.jsonl"
+LOG_FILE = "launch.log"
+
+
+class TorchrunStageSettings(BaseModel):
+    """How many ranks, where, how patiently, and where to: the settings of a training stage that do not change what
+    is trained, so none of them is in its key (a checkpoint resumes on another data-parallel size with the same
+    global batch)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    nproc_per_node: int = Field(default=2, ge=1, description="local ranks under torchrun (gloo on CPU, NCCL on GPUs)")
+    degrees: MeshDegrees = Field(default_factory=lambda: MeshDegrees(dp_shard=-1))
+    data_parallel: AnyDataParallelConfig = Field(default_factory=FsdpConfig)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # Below the 30 s a Prefect runner waits before it SIGKILLs a cancelled flow-run process (and with it the launcher).
+    grace_seconds: float = Field(default=25.0, gt=0, description="after SIGTERM on cancel, before SIGKILL")
+    tracker: AnyTrackerConfig | None = Field(
+        default=None, description="experiment tracker; None: a JSONL tracker in the stage output's tracker/"
+    )
+    output: Path | None = Field(default=None, description="default: <workdir>/<stage>")
+    retries: int = Field(default=0, ge=0)
+    retry_delay_seconds: float = Field(default=10.0, ge=0)
+
+    def key_config(self) -> dict[str, Any]:
+        """The settings that change what is trained: every field but the ones above."""
+        return self.model_dump(mode="json", exclude=set(TorchrunStageSettings.model_fields))
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingRun:
+    losses: dict[int, float]  # step -> training loss, over every attempt
+    resumed_from: str | None
+    started: datetime
+
+    def seconds(self) -> float:
+        return round((datetime.now(UTC) - self.started).total_seconds(), 1)
+
+
+def launch_training(
+    module: str, job: BaseModel, settings: TorchrunStageSettings, root: Path, progress: Progress, *, name: str
+) -> TrainingRun:
+    """Write `job` to `root/job.yaml` and run `module` on it on `nproc_per_node` ranks, logging into `root`."""
+    job_file = root / JOB_FILE
+    job_file.write_text(yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False), encoding="utf-8")
+    spec = LaunchSpec(
+        module=module,
+        args=["--config", str(job_file)],
+        nproc_per_node=settings.nproc_per_node,
+        log_file=root / LOG_FILE,
+        grace_seconds=settings.grace_seconds,
+    )
+    tracker = StepTracker(root / LOSSES_FILE, progress, name=name)
+    started = datetime.now(UTC)
+    try:
+        launch(spec, on_progress=tracker)
+    finally:
+        progress.finish()
+    return TrainingRun(losses=read_losses(root / LOSSES_FILE), resumed_from=tracker.resumed_from, started=started)
+
+
+class StepTracker:
+    """Turns a training rank program's progress lines into progress updates and a losses file (step -> loss)."""
+
+    def __init__(self, path: Path, progress: Progress, *, name: str) -> None:
+        self._path = path
+        self._name = name
+        self._progress = progress
+        self.resumed_from: str | None = None
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        match record.get("event"):
+            case "started":
+                self.resumed_from = record.get("resumed_from")
+                self._progress.start(self._name, float(record["total"]), "steps")
+                if record["step"]:
+                    self._progress.advance(float(record["step"]), f"resumed from {self.resumed_from}")
+            case "step":
+                with self._path.open("a", encoding="utf-8") as handle:
+                    handle.write(json.dumps({"step": record["step"], "loss": record["loss"]}) + "\n")
+                self._progress.advance(1.0, f"loss {record['loss']:.3f}")
+
+
+def read_losses(path: Path) -> dict[int, float]:
+    """Step -> training loss; a step recorded by several attempts keeps its last value."""
+    if not path.is_file():
+        return {}
+    records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return {int(record["step"]): float(record["loss"]) for record in records}
