@@ -13,6 +13,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 from d9d.core.dist import MeshDegrees
+from d9d.core.loop import CheckpointingConfig, TrainerConfig
+from d9d.core.lr import AnyLRScheduleConfig, ConstantScheduleConfig
+from d9d.core.optim import AdamWConfig, AnyOptimizerConfig
 from d9d.flows.jobs.launch import LaunchSpec, launch
 from d9d.flows.jobs.progress import Progress
 from d9d.metrics.trackers import AnyTrackerConfig
@@ -46,6 +49,38 @@ class TorchrunStageSettings(BaseModel):
     def key_config(self) -> dict[str, Any]:
         """The settings that change what is trained: every field but the ones above."""
         return self.model_dump(mode="json", exclude=set(TorchrunStageSettings.model_fields))
+
+
+class TrainingLoopSettings(TorchrunStageSettings):
+    """The loop of a training stage (in its key): steps, batch, checkpoints, clipping, seeds, optimizer and schedule.
+    A stage redeclares a field to change its default (fine-tuning trains fewer steps at a higher learning rate)."""
+
+    steps: int = Field(default=100, ge=1)
+    global_batch_rows: int = Field(default=16, ge=1, description="rows per optimizer step over all ranks")
+    microbatch_rows: int = Field(default=4, ge=1, description="rows per forward/backward on one rank")
+    checkpoint_every: int | None = Field(default=50, ge=1, description="None: at the end and on SIGTERM only")
+    keep_last: int = Field(default=2, ge=1)
+    max_grad_norm: float | None = Field(default=1.0, gt=0)
+    seed: int = 0
+    shuffle_seed: int = 0
+    optimizer: AnyOptimizerConfig = Field(default_factory=AdamWConfig)
+    lr_schedule: AnyLRScheduleConfig = Field(default_factory=ConstantScheduleConfig)
+
+    def trainer_config(self, checkpoints: Path, *, trainable_only: bool = False) -> TrainerConfig:
+        """The rank program's loop, checkpointing into `checkpoints`."""
+        return TrainerConfig(
+            total_steps=self.steps,
+            global_batch_rows=self.global_batch_rows,
+            microbatch_rows=self.microbatch_rows,
+            max_grad_norm=self.max_grad_norm,
+            seed=self.seed,
+            checkpointing=CheckpointingConfig(
+                directory=checkpoints,
+                every_steps=self.checkpoint_every,
+                keep_last=self.keep_last,
+                trainable_only=trainable_only,
+            ),
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -18,8 +18,6 @@ from typing import Any
 
 from pydantic import ConfigDict, Field, field_validator
 
-from d9d.core.loop import CheckpointingConfig, TrainerConfig
-from d9d.core.lr import AnyLRScheduleConfig, ConstantScheduleConfig
 from d9d.core.optim import AdamWConfig, AnyOptimizerConfig
 from d9d.flows.jobs.contract import (
     MANIFEST_FILENAME,
@@ -36,7 +34,7 @@ from d9d.flows.jobs.finetune.program import REPORT_FILE
 from d9d.flows.jobs.pretrain.config import AnyModelConfig, PretrainDataConfig
 from d9d.flows.jobs.pretrain.stage import CHECKPOINTS_DIR, TRACKER_DIR, tracker_artifact, tracker_config, tracker_run
 from d9d.flows.jobs.progress import Progress
-from d9d.flows.jobs.torchrun_stage import JOB_FILE, LOG_FILE, LOSSES_FILE, TorchrunStageSettings, launch_training
+from d9d.flows.jobs.torchrun_stage import JOB_FILE, LOG_FILE, LOSSES_FILE, TrainingLoopSettings, launch_training
 from d9d.peft import AnyPeftConfig
 from d9d.peft.config import LoRAConfig, LoRAParameters
 
@@ -54,22 +52,15 @@ DEFAULT_PEFT = LoRAConfig.model_validate(
 )
 
 
-class FinetuneStageConfig(TorchrunStageSettings):
+class FinetuneStageConfig(TrainingLoopSettings):
     """The `finetune` section of a job: the PEFT method and how long and how wide to train it."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     peft: AnyPeftConfig = Field(default=DEFAULT_PEFT, description="LoRA (default), full_tune, or a stack of them")
     steps: int = Field(default=50, ge=1)
-    global_batch_rows: int = Field(default=16, ge=1, description="rows per optimizer step over all ranks")
-    microbatch_rows: int = Field(default=4, ge=1, description="rows per forward/backward on one rank")
     checkpoint_every: int | None = Field(default=25, ge=1, description="None: at the end and on SIGTERM only")
-    keep_last: int = Field(default=2, ge=1)
-    max_grad_norm: float | None = Field(default=1.0, gt=0)
-    seed: int = 0
-    shuffle_seed: int = 0
     optimizer: AnyOptimizerConfig = Field(default_factory=lambda: AdamWConfig(lr=1e-3))
-    lr_schedule: AnyLRScheduleConfig = Field(default_factory=ConstantScheduleConfig)
     validation_rows_per_step: int = Field(default=8, gt=0, description="finetune.json's before/after loss")
     validation_steps: int = Field(default=4, ge=1)
 
@@ -130,19 +121,8 @@ def rank_config(plan: FinetunePlan, root: Path) -> FinetuneConfig:
             rows_per_step=config.validation_rows_per_step,
             steps=config.validation_steps,
         ),
-        trainer=TrainerConfig(
-            total_steps=config.steps,
-            global_batch_rows=config.global_batch_rows,
-            microbatch_rows=config.microbatch_rows,
-            max_grad_norm=config.max_grad_norm,
-            seed=config.seed,
-            checkpointing=CheckpointingConfig(
-                directory=root / CHECKPOINTS_DIR,
-                every_steps=config.checkpoint_every,
-                keep_last=config.keep_last,
-                trainable_only=True,  # the base is the pretrain stage's; only the adapters are new
-            ),
-        ),
+        # The base is the pretrain stage's; only the adapters are new.
+        trainer=config.trainer_config(root / CHECKPOINTS_DIR, trainable_only=True),
         output=root,
         degrees=config.degrees,
         data_parallel=config.data_parallel,

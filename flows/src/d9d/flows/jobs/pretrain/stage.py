@@ -17,9 +17,6 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field
 
-from d9d.core.loop import CheckpointingConfig, TrainerConfig
-from d9d.core.lr import AnyLRScheduleConfig, ConstantScheduleConfig
-from d9d.core.optim import AdamWConfig, AnyOptimizerConfig
 from d9d.flows.jobs.contract import (
     Completeness,
     FileFingerprint,
@@ -35,7 +32,7 @@ from d9d.flows.jobs.torchrun_stage import (
     JOB_FILE,
     LOG_FILE,
     LOSSES_FILE,
-    TorchrunStageSettings,
+    TrainingLoopSettings,
     launch_training,
 )
 from d9d.metrics.trackers import AnyTrackerConfig
@@ -64,7 +61,7 @@ DEFAULT_MODEL = Qwen3DenseModelConfig(
 )  # fmt: skip
 
 
-class PretrainStageConfig(TorchrunStageSettings):
+class PretrainStageConfig(TrainingLoopSettings):
     """The `pretrain` section of a job: the model and how long and how wide to train it.
 
     `init_from="convert"` starts from the convert stage's checkpoint when its parameters equal `model.parameters`
@@ -76,16 +73,6 @@ class PretrainStageConfig(TorchrunStageSettings):
 
     model: AnyModelConfig = Field(default=DEFAULT_MODEL)
     seq_len: int = Field(default=128, gt=0, description="tokens per packed row")
-    steps: int = Field(default=100, ge=1)
-    global_batch_rows: int = Field(default=16, ge=1, description="rows per optimizer step over all ranks")
-    microbatch_rows: int = Field(default=4, ge=1, description="rows per forward/backward on one rank")
-    checkpoint_every: int | None = Field(default=50, ge=1, description="None: at the end and on SIGTERM only")
-    keep_last: int = Field(default=2, ge=1)
-    max_grad_norm: float | None = Field(default=1.0, gt=0)
-    seed: int = 0
-    shuffle_seed: int = 0
-    optimizer: AnyOptimizerConfig = Field(default_factory=AdamWConfig)
-    lr_schedule: AnyLRScheduleConfig = Field(default_factory=ConstantScheduleConfig)
     init_from: Literal["convert", "random"] = "convert"
 
 
@@ -149,16 +136,7 @@ def rank_config(plan: PretrainPlan, checkpoints: Path) -> PretrainConfig:
     return PretrainConfig(
         model=config.model,
         data=PretrainDataConfig(shards=plan.train_shards, seq_len=config.seq_len, shuffle_seed=config.shuffle_seed),
-        trainer=TrainerConfig(
-            total_steps=config.steps,
-            global_batch_rows=config.global_batch_rows,
-            microbatch_rows=config.microbatch_rows,
-            max_grad_norm=config.max_grad_norm,
-            seed=config.seed,
-            checkpointing=CheckpointingConfig(
-                directory=checkpoints, every_steps=config.checkpoint_every, keep_last=config.keep_last
-            ),
-        ),
+        trainer=config.trainer_config(checkpoints),
         degrees=config.degrees,
         data_parallel=config.data_parallel,
         optimizer=config.optimizer,
