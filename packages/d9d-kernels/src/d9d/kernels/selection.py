@@ -64,3 +64,9 @@ def valid_kinds(adapter: TypeAdapter[Any]) -> list[str]:
     schema = adapter.json_schema()
     mapping = schema.get("discriminator", {}).get("mapping", {})
     return sorted(mapping)
+
+
+def triton_detected(capabilities: Capabilities) -> bool:
+    """Whether detection picks a family's Triton backend: a CUDA GPU and an installed `triton` (never on CPU, where
+    Triton only runs in its slow interpreter)."""
+    return capabilities.cuda_capability is not None and capabilities.has_package("triton")
