@@ -36,7 +36,9 @@ def detect_rms_norm_config(capabilities: Capabilities) -> AnyRmsNormConfig:
     return TritonRmsNormConfig() if triton_detected(capabilities) else EagerRmsNormConfig()
 
 
-def build_rms_norm(config: AnyRmsNormConfig | None = None, *, capabilities: Capabilities | None = None) -> RmsNormKernel:
+def build_rms_norm(
+    config: AnyRmsNormConfig | None = None, *, capabilities: Capabilities | None = None
+) -> RmsNormKernel:
     """The backend for `config`; `None` resolves it from the environment, then from the machine's capabilities.
 
     Raises:

@@ -124,7 +124,9 @@ class _RmsNormFunction(torch.autograd.Function):
         grad_out = _rows(grad_out)
         carried = grad_summed if ctx.has_residual and grad_summed is not None else None
         grad_in = rms_norm_backward_input(grad_out, summed, rstd, weight, carried).view(ctx.shape)
-        grad_weight = rms_norm_backward_weight(grad_out, summed, rstd, weight.dtype) if ctx.needs_input_grad[2] else None
+        grad_weight = (
+            rms_norm_backward_weight(grad_out, summed, rstd, weight.dtype) if ctx.needs_input_grad[2] else None
+        )
         grad_residual = grad_in if ctx.has_residual else None
         return grad_in, grad_residual, grad_weight, None
 

@@ -31,9 +31,7 @@ def _rotate(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
     return torch.stack([-odd, even], dim=-1).flatten(-2)
 
 
-def rope_reference(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False
-) -> torch.Tensor:
+def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False) -> torch.Tensor:
     """`x * cos + rotate(x) * sin` on the first `rotary_dim` channels of `(batch, seq, heads, head_dim)`."""
     rotary_dim = cos.shape[-1]
     rotated, passed = x[..., :rotary_dim], x[..., rotary_dim:]
@@ -62,7 +60,9 @@ class EagerRope:
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         check_rope(q, k, cos, sin)
-        return rope_reference(q, cos, sin, interleaved=interleaved), rope_reference(k, cos, sin, interleaved=interleaved)
+        return rope_reference(q, cos, sin, interleaved=interleaved), rope_reference(
+            k, cos, sin, interleaved=interleaved
+        )
 
 
 class TritonRope:

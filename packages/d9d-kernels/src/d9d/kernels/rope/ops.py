@@ -80,9 +80,7 @@ class _RopeFunction(torch.autograd.Function):
         return got_q.view(q_shape), got_k.view(k_shape), None, None
 
 
-def rope(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate `q` and `k` `(batch, seq, heads, head_dim)` by half-style tables `(batch, seq, rotary_dim)`."""
     out = _RopeFunction.apply(q, k, cos, sin)  # type: ignore[no-untyped-call]
     return out[0], out[1]
