@@ -1,3 +1,5 @@
+# mypy: disable-error-code="no-untyped-def, untyped-decorator"
+# (Triton kernel bodies are untyped by design: pointers and constexpr block sizes.)
 """Triton fused AdamW step with stochastic rounding to bfloat16: one pass over param, grad and both moments.
 
 The arithmetic is torch.optim.AdamW's, operation for operation, in float32 (decoupled weight decay, `lerp` for the

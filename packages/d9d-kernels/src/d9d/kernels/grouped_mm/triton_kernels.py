@@ -1,3 +1,5 @@
+# mypy: disable-error-code="no-untyped-def, untyped-decorator"
+# (Triton kernel bodies are untyped by design: pointers and constexpr block sizes.)
 """Triton grouped GEMM: forward, input gradient and weight gradient, with no host synchronisation.
 
 Row tiles are assigned to experts inside the kernel: each program reads the `E + 1` group offsets, counts every
@@ -15,7 +17,6 @@ import triton.language as tl
 
 from d9d.kernels.triton_support import interpreting, next_power_of_2
 from d9d.kernels.triton_support.tuning import autotune
-
 
 # Triton's CPU interpreter multiplies bfloat16 tiles wrongly; exact float32 copies of them give the same products.
 _UPCAST = interpreting()

@@ -49,12 +49,18 @@ def _(grad: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tenso
 
 def grouped_mm_backward_input(grad: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
     """Gradient of `x` `(N, K)` for the output gradient `grad` `(N, M)`."""
-    return _backward_input_op(grad.contiguous(), weight.contiguous(), triton_kernels.group_offsets(group_sizes))
+    out: torch.Tensor = _backward_input_op(
+        grad.contiguous(), weight.contiguous(), triton_kernels.group_offsets(group_sizes)
+    )
+    return out
 
 
 def grouped_mm_backward_weight(grad: torch.Tensor, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
     """Gradient of `weight` `(E, M, K)` in `x`'s dtype (float32 accumulation); zeros for empty groups."""
-    return _backward_weight_op(grad.contiguous(), x.contiguous(), triton_kernels.group_offsets(group_sizes))
+    out: torch.Tensor = _backward_weight_op(
+        grad.contiguous(), x.contiguous(), triton_kernels.group_offsets(group_sizes)
+    )
+    return out
 
 
 class _GroupedMm(torch.autograd.Function):
@@ -63,7 +69,8 @@ class _GroupedMm(torch.autograd.Function):
         x, weight = x.contiguous(), weight.contiguous()
         offsets = triton_kernels.group_offsets(group_sizes)
         ctx.save_for_backward(x, weight, offsets)
-        return _forward_op(x, weight, offsets)
+        out: torch.Tensor = _forward_op(x, weight, offsets)
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:

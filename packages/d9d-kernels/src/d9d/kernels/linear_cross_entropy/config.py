@@ -1,4 +1,7 @@
-"""fused linear + cross-entropy backend configs and `build_linear_cross_entropy` (explicit > `D9D_BACKEND_AUTO_LINEAR_CROSS_ENTROPY` > detection)."""
+"""Fused linear + cross-entropy backend configs and `build_linear_cross_entropy`.
+
+Precedence: explicit > `D9D_BACKEND_AUTO_LINEAR_CROSS_ENTROPY` > detection.
+"""
 
 from __future__ import annotations
 

@@ -55,7 +55,8 @@ def _backward_op(
     grad_hidden, grad_weight = _gradients(
         hidden, weight, targets, lse, grad_losses, vocab_start, chunk_size, want_input=True, want_weight=True
     )
-    assert grad_hidden is not None and grad_weight is not None
+    assert grad_hidden is not None
+    assert grad_weight is not None
     return grad_hidden, grad_weight
 
 
@@ -121,7 +122,8 @@ def linear_cross_entropy_backward_input(
     *, vocab_start: int = 0, chunk_size: int = 2048,
 ) -> torch.Tensor:  # fmt: skip
     """Gradient of `hidden` through this shard (the shards' gradients sum to the full one)."""
-    return _backward_input_op(hidden, weight, labels, lse, grad_losses, vocab_start, chunk_size)
+    out: torch.Tensor = _backward_input_op(hidden, weight, labels, lse, grad_losses, vocab_start, chunk_size)
+    return out
 
 
 def linear_cross_entropy_backward_weight(
@@ -129,7 +131,8 @@ def linear_cross_entropy_backward_weight(
     *, vocab_start: int = 0, chunk_size: int = 2048,
 ) -> torch.Tensor:  # fmt: skip
     """Gradient of this shard's `weight`, in its dtype (accumulated over chunks in float32)."""
-    return _backward_weight_op(hidden, weight, labels, lse, grad_losses, vocab_start, chunk_size)
+    out: torch.Tensor = _backward_weight_op(hidden, weight, labels, lse, grad_losses, vocab_start, chunk_size)
+    return out
 
 
 class _TritonLinearCrossEntropy(torch.autograd.Function):

@@ -1,4 +1,4 @@
-"""MoE token permutation backend configs and `build_moe_permute` (explicit > `D9D_BACKEND_AUTO_MOE_PERMUTE` > detection)."""
+"""MoE permutation backend configs and `build_moe_permute` (explicit > `D9D_BACKEND_AUTO_MOE_PERMUTE` > detection)."""
 
 from __future__ import annotations
 

@@ -50,7 +50,8 @@ def _(a: torch.Tensor, b: torch.Tensor, index: torch.Tensor, top_k: int) -> torc
 
 def permute_backward(grad_rows: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.Tensor:
     """Gradient of `x`: each token sums the gradients of its `k` copies."""
-    return _combine_op(grad_rows.contiguous(), inverse, None, top_k)
+    out: torch.Tensor = _combine_op(grad_rows.contiguous(), inverse, None, top_k)
+    return out
 
 
 def unpermute_backward(
@@ -71,7 +72,8 @@ class _Permute(torch.autograd.Function):
         inverse[order] = torch.arange(order.numel(), device=order.device)
         ctx.save_for_backward(inverse)
         ctx.top_k = top_k
-        return _gather_op(x.contiguous(), order, None, top_k)
+        out: torch.Tensor = _gather_op(x.contiguous(), order, None, top_k)
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad_rows: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -86,7 +88,8 @@ class _Unpermute(torch.autograd.Function):
         order = torch.empty_like(inverse)
         order[inverse] = torch.arange(inverse.numel(), device=inverse.device)
         ctx.save_for_backward(rows, order, inverse, weights)
-        return _combine_op(rows, inverse, weights.reshape(-1), weights.shape[1])
+        out: torch.Tensor = _combine_op(rows, inverse, weights.reshape(-1), weights.shape[1])
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:

@@ -83,7 +83,7 @@ def rms_norm_backward_input(
 ) -> torch.Tensor:
     """Gradient of the normalised input (`x + residual`), plus `grad_summed` (what later layers sent back along the
     residual stream). It is the gradient of `x` and of `residual` alike. Shaped like `summed`."""
-    grad = _backward_input_op(
+    grad: torch.Tensor = _backward_input_op(
         _rows(grad_out), _rows(summed), rstd, weight, None if grad_summed is None else _rows(grad_summed)
     )
     return grad.view(summed.shape)
@@ -93,7 +93,8 @@ def rms_norm_backward_weight(
     grad_out: torch.Tensor, summed: torch.Tensor, rstd: torch.Tensor, weight_dtype: torch.dtype
 ) -> torch.Tensor:
     """Gradient of the weight: the sum over rows of `grad_out * normalise(summed)`, accumulated in float32."""
-    return _backward_weight_op(_rows(grad_out), _rows(summed), rstd, weight_dtype)
+    out: torch.Tensor = _backward_weight_op(_rows(grad_out), _rows(summed), rstd, weight_dtype)
+    return out
 
 
 class _RmsNormFunction(torch.autograd.Function):

@@ -7,8 +7,8 @@ from typing import Annotated, Literal, assert_never
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from d9d.kernels.capability import Capabilities
-from d9d.kernels.swiglu.api import EagerSwiGlu, SwiGluKernel, TritonSwiGlu
 from d9d.kernels.selection import resolve_backend_config, triton_detected
+from d9d.kernels.swiglu.api import EagerSwiGlu, SwiGluKernel, TritonSwiGlu
 
 FAMILY = "swiglu"
 

@@ -50,7 +50,8 @@ class _SwiGluFunction(torch.autograd.Function):
     def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         gate, up = gate.contiguous(), up.contiguous()
         ctx.save_for_backward(gate, up)
-        return _forward_op(gate, up)
+        out: torch.Tensor = _forward_op(gate, up)
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -46,8 +46,5 @@ def next_power_of_2(value: int) -> int:
 def reduction_programs(rows: int, device: torch.device) -> int:
     """How many programs a row-reduction kernel (a weight gradient) splits `rows` over: a few per SM on a GPU (so
     every SM is busy and the float32 partial sums stay small), a handful under the interpreter."""
-    if device.type == "cuda":
-        count = torch.cuda.get_device_properties(device).multi_processor_count * 4
-    else:
-        count = 4
+    count = torch.cuda.get_device_properties(device).multi_processor_count * 4 if device.type == "cuda" else 4
     return max(1, min(rows, count))
