@@ -6,12 +6,19 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from d9d.kernels.attention import AnyAttentionConfig
 from d9d.kernels.grouped_mm import AnyGroupedMmConfig
+from d9d.kernels.linear_cross_entropy import AnyLinearCrossEntropyConfig
+from d9d.kernels.moe_permute import AnyMoePermuteConfig
+from d9d.kernels.rms_norm import AnyRmsNormConfig
+from d9d.kernels.rope import AnyRopeConfig
+from d9d.kernels.swiglu import AnySwiGluConfig
 
 
 class DecoderConfig(BaseModel):
     """Behaviour of a decoder model; changing it never changes the parameters or a checkpoint.
 
-    `attention` / `grouped_mm`: kernel backends (`None`: `D9D_BACKEND_AUTO_*`, else detected).
+    `attention` / `grouped_mm` / `rms_norm` / `swiglu` / `rope` / `moe_permute` / `linear_cross_entropy`: kernel
+    backends (`None`: `D9D_BACKEND_AUTO_<FAMILY>`, else detected: Triton on a CUDA GPU with Triton installed for the
+    last five, eager on CPU; see docs/kernels.md).
     `activation_checkpointing`: `True` for every layer, or the global indices of the layers to checkpoint.
     `loss_chunk_size`: tokens per chunk of the LM loss (bounds the logits held at once).
     """
@@ -20,6 +27,11 @@ class DecoderConfig(BaseModel):
 
     attention: AnyAttentionConfig | None = None
     grouped_mm: AnyGroupedMmConfig | None = None
+    rms_norm: AnyRmsNormConfig | None = None
+    swiglu: AnySwiGluConfig | None = None
+    rope: AnyRopeConfig | None = None
+    moe_permute: AnyMoePermuteConfig | None = None
+    linear_cross_entropy: AnyLinearCrossEntropyConfig | None = None
     activation_checkpointing: bool | list[int] = False
     loss_chunk_size: int = Field(default=2048, gt=0)
 

@@ -21,6 +21,7 @@ from d9d.kernels.linear_cross_entropy.config import (
     TritonLinearCrossEntropyConfig,
     build_linear_cross_entropy,
     detect_linear_cross_entropy_config,
+    resolve_linear_cross_entropy_config,
 )
 from d9d.kernels.linear_cross_entropy.reference import TorchChunkMath, linear_cross_entropy_reference
 
@@ -42,4 +43,5 @@ __all__ = [
     "logit_gradients",
     "logit_stats",
     "losses_from_stats",
+    "resolve_linear_cross_entropy_config",
 ]

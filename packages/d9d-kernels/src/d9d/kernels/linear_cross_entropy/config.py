@@ -45,6 +45,18 @@ def detect_linear_cross_entropy_config(capabilities: Capabilities) -> AnyLinearC
     return TritonLinearCrossEntropyConfig() if triton_detected(capabilities) else EagerLinearCrossEntropyConfig()
 
 
+def resolve_linear_cross_entropy_config(
+    config: AnyLinearCrossEntropyConfig | None = None, *, capabilities: Capabilities | None = None
+) -> AnyLinearCrossEntropyConfig:
+    return resolve_backend_config(
+        FAMILY,
+        config,
+        LINEAR_CROSS_ENTROPY_CONFIG_ADAPTER,
+        detect_linear_cross_entropy_config,
+        capabilities=capabilities,
+    )
+
+
 def build_linear_cross_entropy(
     config: AnyLinearCrossEntropyConfig | None = None, *, capabilities: Capabilities | None = None
 ) -> LinearCrossEntropyKernel:
@@ -53,13 +65,7 @@ def build_linear_cross_entropy(
     Raises:
         BackendUnavailable: `triton` was chosen but Triton is not installed.
     """
-    resolved = resolve_backend_config(
-        FAMILY,
-        config,
-        LINEAR_CROSS_ENTROPY_CONFIG_ADAPTER,
-        detect_linear_cross_entropy_config,
-        capabilities=capabilities,
-    )
+    resolved = resolve_linear_cross_entropy_config(config, capabilities=capabilities)
     match resolved:
         case EagerLinearCrossEntropyConfig():
             return EagerLinearCrossEntropy()

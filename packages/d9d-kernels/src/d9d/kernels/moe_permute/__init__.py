@@ -8,6 +8,7 @@ from d9d.kernels.moe_permute.config import (
     TritonMoePermuteConfig,
     build_moe_permute,
     detect_moe_permute_config,
+    resolve_moe_permute_config,
 )
 
 __all__ = [
@@ -20,5 +21,6 @@ __all__ = [
     "TritonMoePermuteConfig",
     "build_moe_permute",
     "detect_moe_permute_config",
+    "resolve_moe_permute_config",
     "sort_by_expert",
 ]

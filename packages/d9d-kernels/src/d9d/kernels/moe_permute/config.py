@@ -36,6 +36,14 @@ def detect_moe_permute_config(capabilities: Capabilities) -> AnyMoePermuteConfig
     return TritonMoePermuteConfig() if triton_detected(capabilities) else EagerMoePermuteConfig()
 
 
+def resolve_moe_permute_config(
+    config: AnyMoePermuteConfig | None = None, *, capabilities: Capabilities | None = None
+) -> AnyMoePermuteConfig:
+    return resolve_backend_config(
+        FAMILY, config, MOE_PERMUTE_CONFIG_ADAPTER, detect_moe_permute_config, capabilities=capabilities
+    )
+
+
 def build_moe_permute(
     config: AnyMoePermuteConfig | None = None, *, capabilities: Capabilities | None = None
 ) -> MoePermuteKernel:
@@ -44,9 +52,7 @@ def build_moe_permute(
     Raises:
         BackendUnavailable: `triton` was chosen but Triton is not installed.
     """
-    resolved = resolve_backend_config(
-        FAMILY, config, MOE_PERMUTE_CONFIG_ADAPTER, detect_moe_permute_config, capabilities=capabilities
-    )
+    resolved = resolve_moe_permute_config(config, capabilities=capabilities)
     match resolved:
         case EagerMoePermuteConfig():
             return EagerMoePermute()

@@ -8,6 +8,7 @@ from d9d.kernels.rms_norm.config import (
     TritonRmsNormConfig,
     build_rms_norm,
     detect_rms_norm_config,
+    resolve_rms_norm_config,
 )
 from d9d.kernels.rms_norm.reference import rms_norm_reference
 
@@ -21,5 +22,6 @@ __all__ = [
     "TritonRmsNormConfig",
     "build_rms_norm",
     "detect_rms_norm_config",
+    "resolve_rms_norm_config",
     "rms_norm_reference",
 ]

@@ -36,6 +36,14 @@ def detect_rms_norm_config(capabilities: Capabilities) -> AnyRmsNormConfig:
     return TritonRmsNormConfig() if triton_detected(capabilities) else EagerRmsNormConfig()
 
 
+def resolve_rms_norm_config(
+    config: AnyRmsNormConfig | None = None, *, capabilities: Capabilities | None = None
+) -> AnyRmsNormConfig:
+    return resolve_backend_config(
+        FAMILY, config, RMS_NORM_CONFIG_ADAPTER, detect_rms_norm_config, capabilities=capabilities
+    )
+
+
 def build_rms_norm(
     config: AnyRmsNormConfig | None = None, *, capabilities: Capabilities | None = None
 ) -> RmsNormKernel:
@@ -44,9 +52,7 @@ def build_rms_norm(
     Raises:
         BackendUnavailable: `triton` was chosen but Triton is not installed.
     """
-    resolved = resolve_backend_config(
-        FAMILY, config, RMS_NORM_CONFIG_ADAPTER, detect_rms_norm_config, capabilities=capabilities
-    )
+    resolved = resolve_rms_norm_config(config, capabilities=capabilities)
     match resolved:
         case EagerRmsNormConfig():
             return EagerRmsNorm()

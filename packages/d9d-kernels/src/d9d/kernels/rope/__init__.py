@@ -8,6 +8,7 @@ from d9d.kernels.rope.config import (
     TritonRopeConfig,
     build_rope,
     detect_rope_config,
+    resolve_rope_config,
 )
 
 __all__ = [
@@ -20,5 +21,6 @@ __all__ = [
     "TritonRopeConfig",
     "build_rope",
     "detect_rope_config",
+    "resolve_rope_config",
     "rope_reference",
 ]

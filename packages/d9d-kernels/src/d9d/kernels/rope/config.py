@@ -36,15 +36,19 @@ def detect_rope_config(capabilities: Capabilities) -> AnyRopeConfig:
     return TritonRopeConfig() if triton_detected(capabilities) else EagerRopeConfig()
 
 
+def resolve_rope_config(
+    config: AnyRopeConfig | None = None, *, capabilities: Capabilities | None = None
+) -> AnyRopeConfig:
+    return resolve_backend_config(FAMILY, config, ROPE_CONFIG_ADAPTER, detect_rope_config, capabilities=capabilities)
+
+
 def build_rope(config: AnyRopeConfig | None = None, *, capabilities: Capabilities | None = None) -> RopeKernel:
     """The backend for `config`; `None` resolves it from the environment, then from the machine's capabilities.
 
     Raises:
         BackendUnavailable: `triton` was chosen but Triton is not installed.
     """
-    resolved = resolve_backend_config(
-        FAMILY, config, ROPE_CONFIG_ADAPTER, detect_rope_config, capabilities=capabilities
-    )
+    resolved = resolve_rope_config(config, capabilities=capabilities)
     match resolved:
         case EagerRopeConfig():
             return EagerRope()

@@ -8,6 +8,7 @@ from d9d.kernels.swiglu.config import (
     TritonSwiGluConfig,
     build_swiglu,
     detect_swiglu_config,
+    resolve_swiglu_config,
 )
 
 __all__ = [
@@ -20,5 +21,6 @@ __all__ = [
     "TritonSwiGluConfig",
     "build_swiglu",
     "detect_swiglu_config",
+    "resolve_swiglu_config",
     "swiglu_reference",
 ]

@@ -36,15 +36,21 @@ def detect_swiglu_config(capabilities: Capabilities) -> AnySwiGluConfig:
     return TritonSwiGluConfig() if triton_detected(capabilities) else EagerSwiGluConfig()
 
 
+def resolve_swiglu_config(
+    config: AnySwiGluConfig | None = None, *, capabilities: Capabilities | None = None
+) -> AnySwiGluConfig:
+    return resolve_backend_config(
+        FAMILY, config, SWIGLU_CONFIG_ADAPTER, detect_swiglu_config, capabilities=capabilities
+    )
+
+
 def build_swiglu(config: AnySwiGluConfig | None = None, *, capabilities: Capabilities | None = None) -> SwiGluKernel:
     """The backend for `config`; `None` resolves it from the environment, then from the machine's capabilities.
 
     Raises:
         BackendUnavailable: `triton` was chosen but Triton is not installed.
     """
-    resolved = resolve_backend_config(
-        FAMILY, config, SWIGLU_CONFIG_ADAPTER, detect_swiglu_config, capabilities=capabilities
-    )
+    resolved = resolve_swiglu_config(config, capabilities=capabilities)
     match resolved:
         case EagerSwiGluConfig():
             return EagerSwiGlu()

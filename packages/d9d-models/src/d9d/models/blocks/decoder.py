@@ -17,6 +17,7 @@ from d9d.models.blocks.checkpointing import run_layer, set_activation_checkpoint
 from d9d.models.blocks.embedding import SplitTokenEmbedding
 from d9d.models.blocks.head import SplitLanguageModellingHead
 from d9d.models.blocks.inputs import CausalLMOutput, causal_mask, resolve_positions
+from d9d.models.blocks.kernels import apply_block_kernels, build_block_kernels
 from d9d.models.blocks.norm import RMSNorm
 from d9d.models.blocks.rope import RotaryEmbedding
 from d9d.models.config import DecoderConfig
@@ -66,6 +67,7 @@ class DecoderBackbone(nn.Module):
             set_activation_checkpointing(layer, config.checkpoints_layer(index))
             self.layers[str(index)] = layer
         self.norm = RMSNorm(params.hidden_size, eps=params.rms_norm_eps) if stage.is_last else None
+        apply_block_kernels(self, build_block_kernels(config))
 
     def forward(
         self,
@@ -119,6 +121,8 @@ class DecoderForCausalLM(nn.Module):
             if stage.is_last
             else None
         )
+        if self.lm_head is not None:
+            apply_block_kernels(self.lm_head, build_block_kernels(config))
 
     def forward(
         self,

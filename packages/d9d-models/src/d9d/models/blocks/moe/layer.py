@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from d9d.kernels.grouped_mm import GroupedMm
+from d9d.kernels.moe_permute import EagerMoePermute, MoePermuteKernel
 from d9d.models.blocks.ffn import SwiGLU
 from d9d.models.blocks.moe.experts import GroupedSwiGLU
 from d9d.models.blocks.moe.losses import attach_aux_loss, load_balancing_loss, router_z_loss
@@ -65,6 +66,7 @@ class MoELayer(nn.Module):
         self.shared_experts = (
             SwiGLU(hidden_size, shared_intermediate_size, init_std=init_std) if shared_intermediate_size > 0 else None
         )
+        self.permute_kernel: MoePermuteKernel = EagerMoePermute()
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.float32), persistent=False)
         self.aux_losses: dict[str, torch.Tensor] = {}
         self.aux_loss_weight = 1.0
@@ -86,9 +88,9 @@ class MoELayer(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         routing = self.router(flat)
-        permuted = permute_tokens(flat, routing.expert_indices, self.num_experts)
+        permuted = permute_tokens(flat, routing.expert_indices, self.num_experts, self.permute_kernel)
         expert_rows = self.experts(permuted.rows, permuted.group_sizes)
-        out = unpermute_tokens(expert_rows, permuted, routing.expert_weights)
+        out = unpermute_tokens(expert_rows, permuted, routing.expert_weights, self.permute_kernel)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         if not _in_backward():

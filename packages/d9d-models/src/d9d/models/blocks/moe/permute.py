@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
+from d9d.kernels.moe_permute import EagerMoePermute, MoePermuteKernel, sort_by_expert
+
+EAGER_PERMUTE = EagerMoePermute()
+
 
 @dataclass(frozen=True)
 class PermutedTokens:
@@ -21,19 +25,22 @@ class PermutedTokens:
     top_k: int
 
 
-def permute_tokens(x: torch.Tensor, expert_indices: torch.Tensor, num_experts: int) -> PermutedTokens:
-    """Sort token copies by expert (stable: tokens keep their order within an expert)."""
+def permute_tokens(
+    x: torch.Tensor, expert_indices: torch.Tensor, num_experts: int, kernel: MoePermuteKernel = EAGER_PERMUTE
+) -> PermutedTokens:
+    """Sort token copies by expert (stable: tokens keep their order within an expert); the counts stay on the
+    device (no host sync)."""
     top_k = expert_indices.shape[1]
-    flat = expert_indices.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    group_sizes = torch.bincount(flat, minlength=num_experts)
-    return PermutedTokens(rows=x[order // top_k], group_sizes=group_sizes, order=order, inverse=inverse, top_k=top_k)
+    order, inverse, group_sizes = sort_by_expert(expert_indices, num_experts)
+    rows = kernel.permute(x, order, top_k)
+    return PermutedTokens(rows=rows, group_sizes=group_sizes, order=order, inverse=inverse, top_k=top_k)
 
 
-def unpermute_tokens(rows: torch.Tensor, permuted: PermutedTokens, expert_weights: torch.Tensor) -> torch.Tensor:
+def unpermute_tokens(
+    rows: torch.Tensor,
+    permuted: PermutedTokens,
+    expert_weights: torch.Tensor,
+    kernel: MoePermuteKernel = EAGER_PERMUTE,
+) -> torch.Tensor:
     """Weight each expert's output by its combine weight and sum a token's `k` outputs: `(T, H)`."""
-    tokens = expert_weights.shape[0]
-    by_slot = rows[permuted.inverse].view(tokens, permuted.top_k, rows.shape[-1])
-    return (by_slot * expert_weights[..., None]).sum(dim=1)
+    return kernel.unpermute(rows, permuted.inverse, expert_weights)
