@@ -41,7 +41,7 @@ LINEAR_CROSS_ENTROPY_CONFIG_ADAPTER: TypeAdapter[AnyLinearCrossEntropyConfig] = 
 
 
 def detect_linear_cross_entropy_config(capabilities: Capabilities) -> AnyLinearCrossEntropyConfig:
-    """`triton` on a CUDA GPU with Triton installed, else `eager`."""
+    """`triton` on an sm90+ GPU with Triton installed, else `eager`."""
     return TritonLinearCrossEntropyConfig() if triton_detected(capabilities) else EagerLinearCrossEntropyConfig()
 
 

@@ -32,7 +32,7 @@ MOE_PERMUTE_CONFIG_ADAPTER: TypeAdapter[AnyMoePermuteConfig] = TypeAdapter(AnyMo
 
 
 def detect_moe_permute_config(capabilities: Capabilities) -> AnyMoePermuteConfig:
-    """`triton` on a CUDA GPU with Triton installed, else `eager`."""
+    """`triton` on an sm90+ GPU with Triton installed, else `eager`."""
     return TritonMoePermuteConfig() if triton_detected(capabilities) else EagerMoePermuteConfig()
 
 

@@ -32,7 +32,7 @@ RMS_NORM_CONFIG_ADAPTER: TypeAdapter[AnyRmsNormConfig] = TypeAdapter(AnyRmsNormC
 
 
 def detect_rms_norm_config(capabilities: Capabilities) -> AnyRmsNormConfig:
-    """`triton` on a CUDA GPU with Triton installed, else `eager`."""
+    """`triton` on an sm90+ GPU with Triton installed, else `eager`."""
     return TritonRmsNormConfig() if triton_detected(capabilities) else EagerRmsNormConfig()
 
 

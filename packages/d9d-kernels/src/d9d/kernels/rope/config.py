@@ -32,7 +32,7 @@ ROPE_CONFIG_ADAPTER: TypeAdapter[AnyRopeConfig] = TypeAdapter(AnyRopeConfig)
 
 
 def detect_rope_config(capabilities: Capabilities) -> AnyRopeConfig:
-    """`triton` on a CUDA GPU with Triton installed, else `eager`."""
+    """`triton` on an sm90+ GPU with Triton installed, else `eager`."""
     return TritonRopeConfig() if triton_detected(capabilities) else EagerRopeConfig()
 
 

@@ -32,7 +32,7 @@ SWIGLU_CONFIG_ADAPTER: TypeAdapter[AnySwiGluConfig] = TypeAdapter(AnySwiGluConfi
 
 
 def detect_swiglu_config(capabilities: Capabilities) -> AnySwiGluConfig:
-    """`triton` on a CUDA GPU with Triton installed, else `eager`."""
+    """`triton` on an sm90+ GPU with Triton installed, else `eager`."""
     return TritonSwiGluConfig() if triton_detected(capabilities) else EagerSwiGluConfig()
 
 
