@@ -125,9 +125,10 @@ def compiled(fn: Callable[..., Any], backend: str) -> Callable[..., Any]:
     return torch.compile(fn, backend=backend, dynamic=False)
 
 
-def cases(
-    s: Shapes, device: torch.device, compile_backend: str
-) -> list[tuple[str, str, str, Callable[[], None], float, str]]:
+Case = tuple[str, str, str, Callable[[], None], float, str]
+
+
+def cases(s: Shapes, device: torch.device, compile_backend: str) -> list[Case]:
     """(kernel, implementation, shape, run, work, unit): work in FLOPs (unit TFLOP/s) or bytes (unit GB/s)."""
     from d9d.kernels.grouped_mm import EagerGroupedMm, TorchGroupedMm, TritonGroupedMm
     from d9d.kernels.linear_cross_entropy import EagerLinearCrossEntropy, TritonLinearCrossEntropy
