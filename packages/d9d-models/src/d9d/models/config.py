@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from d9d.kernels.attention import AnyAttentionConfig
@@ -19,7 +21,9 @@ class DecoderConfig(BaseModel):
     `attention` / `grouped_mm` / `rms_norm` / `swiglu` / `rope` / `moe_permute` / `linear_cross_entropy`: kernel
     backends (`None`: `D9D_BACKEND_AUTO_<FAMILY>`, else detected: Triton on a CUDA GPU with Triton installed for the
     last five, eager on CPU; see docs/kernels.md).
-    `activation_checkpointing`: `True` for every layer, or the global indices of the layers to checkpoint.
+    `activation_checkpointing`: `True` for every layer, or the global indices of the layers to checkpoint;
+    `checkpoint_policy`: `full` (recompute the whole layer) or `selective` (keep matmul and attention outputs).
+    `compile_layers`: compile each decoder layer's forward (`compile_backend`, regional compilation; FSDP2-safe).
     `loss_chunk_size`: tokens per chunk of the LM loss (bounds the logits held at once).
     """
 
@@ -33,6 +37,9 @@ class DecoderConfig(BaseModel):
     moe_permute: AnyMoePermuteConfig | None = None
     linear_cross_entropy: AnyLinearCrossEntropyConfig | None = None
     activation_checkpointing: bool | list[int] = False
+    checkpoint_policy: Literal["full", "selective"] = "full"
+    compile_layers: bool = False
+    compile_backend: str = "inductor"
     loss_chunk_size: int = Field(default=2048, gt=0)
 
     def checkpoints_layer(self, index: int) -> bool:

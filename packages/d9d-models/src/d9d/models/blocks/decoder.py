@@ -13,7 +13,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from d9d.models.blocks.checkpointing import run_layer, set_activation_checkpointing
+from d9d.models.blocks.checkpointing import CheckpointPolicy, run_layer, set_activation_checkpointing
+from d9d.models.blocks.compilation import compile_layer
 from d9d.models.blocks.embedding import SplitTokenEmbedding
 from d9d.models.blocks.head import SplitLanguageModellingHead
 from d9d.models.blocks.inputs import CausalLMOutput, causal_mask, resolve_positions
@@ -64,7 +65,10 @@ class DecoderBackbone(nn.Module):
         self.layers = nn.ModuleDict()
         for index in stage.layers(params.num_layers):
             layer = with_role(build_layer(index), Role.DECODER_LAYER)
-            set_activation_checkpointing(layer, config.checkpoints_layer(index))
+            checkpointed = config.checkpoints_layer(index)
+            set_activation_checkpointing(layer, CheckpointPolicy(config.checkpoint_policy) if checkpointed else False)
+            if config.compile_layers:
+                compile_layer(layer, backend=config.compile_backend)
             self.layers[str(index)] = layer
         self.norm = RMSNorm(params.hidden_size, eps=params.rms_norm_eps) if stage.is_last else None
         apply_block_kernels(self, build_block_kernels(config))
