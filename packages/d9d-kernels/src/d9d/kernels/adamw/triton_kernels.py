@@ -32,7 +32,8 @@ def _store_rounded(ptr, offsets, value, mask, seed, STOCHASTIC: tl.constexpr):
     tl.store(ptr + offsets, value.to(ptr.dtype.element_ty), mask=mask)
 
 
-@autotune(_CONFIGS, key=["n_elements"])
+# In place on three tensors: the tuner restores them between its timing runs, so the first step is applied once.
+@autotune(_CONFIGS, key=["n_elements"], restore_value=["param_ptr", "exp_avg_ptr", "exp_avg_sq_ptr"])
 @triton.jit
 def _adamw_kernel(
     param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, n_elements,

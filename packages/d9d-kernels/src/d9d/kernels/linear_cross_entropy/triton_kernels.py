@@ -45,7 +45,7 @@ def _stats_kernel(
     tl.store(target_ptr + row, tl.where(inside, target, 0.0))
 
 
-@autotune(_CONFIGS, key=["n_vocab"])
+@autotune(_CONFIGS, key=["n_vocab"], restore_value=["logits_ptr"])  # in place: restored between tuning runs
 @triton.jit
 def _gradient_kernel(
     logits_ptr, targets_ptr, lse_ptr, scale_ptr, n_vocab, vocab_start, BLOCK: tl.constexpr
