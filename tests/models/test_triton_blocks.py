@@ -41,7 +41,7 @@ def test_triton_blocks_match_eager_losses_and_gradients_fp32(family):
     hf = hf_dense() if family == "dense" else hf_moe()
     eager, _ = d9d_from_hf(hf)
     fused, _ = d9d_from_hf(hf, config=TRITON)
-    assert fused.model.norm.kernel.name == "triton" and fused.lm_head.loss_kernel is not None
+    assert fused.model.norm.rms_norm_kernel.name == "triton" and fused.lm_head.loss_kernel is not None
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 96, (2, 9), generator=generator)
     labels = torch.randint(0, 96, (2, 9), generator=generator)

@@ -16,12 +16,12 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-        self.activation: SwiGluKernel = EagerSwiGlu()  # silu(gate) * up; a Triton kernel via apply_block_kernels
+        self.swiglu_kernel: SwiGluKernel = EagerSwiGlu()  # silu(gate) * up; a Triton kernel via apply_block_kernels
 
     def reset_parameters(self) -> None:
         for linear in (self.gate_proj, self.up_proj, self.down_proj):
             init_normal_(linear.weight, self.init_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.down_proj(self.activation(self.gate_proj(x), self.up_proj(x)))
+        out: torch.Tensor = self.down_proj(self.swiglu_kernel(self.gate_proj(x), self.up_proj(x)))
         return out

@@ -51,8 +51,8 @@ def build_block_kernels(config: DecoderConfig) -> BlockKernels:
 
 
 _SLOTS = {
-    "kernel": "rms_norm",  # RMSNorm
-    "activation": "swiglu",  # SwiGLU, GroupedSwiGLU
+    "rms_norm_kernel": "rms_norm",  # RMSNorm
+    "swiglu_kernel": "swiglu",  # SwiGLU, GroupedSwiGLU
     "rope_kernel": "rope",  # GroupedQueryAttention
     "permute_kernel": "moe_permute",  # MoELayer
     "loss_kernel": "linear_cross_entropy",  # SplitLanguageModellingHead
@@ -60,7 +60,8 @@ _SLOTS = {
 
 
 def apply_block_kernels(model: nn.Module, kernels: BlockKernels) -> None:
-    """Set each block's kernel attribute (`kernel`, `activation`, `rope_kernel`, `permute_kernel`, `loss_kernel`)."""
+    """Set each block's kernel attribute (`rms_norm_kernel`, `swiglu_kernel`, `rope_kernel`, `permute_kernel`,
+    `loss_kernel`)."""
     for module in model.modules():
         for attribute, family in _SLOTS.items():
             if attribute in vars(module):
