@@ -28,14 +28,14 @@ class CheckpointingConfig(BaseModel):
 
 class NonFiniteConfig(BaseModel):
     """What the loop does when a step's loss or gradient norm is inf or nan (decided before the optimizer step,
-    the same on every rank): `skip` drops the step (parameters, optimizer state and LR schedule unchanged) and stops
-    after `max_consecutive_skips` skipped steps in a row; `stop` stops at the first one."""
+    the same on every rank): `skip` drops the step (parameters, optimizer state and LR schedule unchanged), up to
+    `max_consecutive_skips` steps in a row, and stops at the next non-finite one; `stop` stops at the first one."""
 
     model_config = ConfigDict(extra="forbid")
 
     policy: Literal["skip", "stop"] = "skip"
     max_consecutive_skips: int = Field(
-        default=3, ge=1, description="with policy='skip': stop when this many steps in a row were not finite"
+        default=3, ge=1, description="with policy='skip': at most this many steps in a row are skipped, then it stops"
     )
 
 

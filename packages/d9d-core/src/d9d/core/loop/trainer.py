@@ -334,11 +334,11 @@ class Trainer(Generic[TBatch]):
         what = f"step {self.step}: the loss is {loss} and the gradient norm {grad_norm} (not finite)"
         if policy.policy == "stop":
             return f"{what}; stopping (non_finite.policy='stop'); the parameters were not updated by this step"
-        if self._consecutive_skips >= policy.max_consecutive_skips:
+        if self._consecutive_skips > policy.max_consecutive_skips:
             return (
-                f"{what}; {self._consecutive_skips} steps in a row were skipped "
-                f"(non_finite.max_consecutive_skips={policy.max_consecutive_skips}), stopping. Lower the learning "
-                "rate, check the data, or resume from an earlier checkpoint"
+                f"{what}; {self._consecutive_skips} non-finite steps in a row, more than "
+                f"non_finite.max_consecutive_skips={policy.max_consecutive_skips} allows; stopping. Lower the "
+                "learning rate, check the data, or resume from an earlier checkpoint"
             )
         return None
 
