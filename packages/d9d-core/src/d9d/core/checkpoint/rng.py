@@ -23,7 +23,7 @@ class RngStateError(ValueError):
 def capture_rng_state() -> dict[str, Any]:
     """Every RNG's state as a JSON-serialisable mapping."""
     version, python_state, gauss = random.getstate()
-    kind, keys, position, has_gauss, cached_gaussian = np.random.get_state(legacy=True)  # type: ignore[misc]
+    kind, keys, position, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
     state: dict[str, Any] = {
         "format": RNG_FORMAT,
         "python": {"version": version, "state": list(python_state), "gauss": gauss},
