@@ -373,7 +373,10 @@ def write_token_shard_index(
         if not (directory / name).is_file():
             raise FileNotFoundError(f"shard {name} listed for the index of {directory} does not exist")
     staging = directory / f".{INDEX_FILENAME}.tmp"
-    staging.write_text(json.dumps(index.to_json(), indent=2) + "\n", encoding="utf-8")
+    with staging.open("w", encoding="utf-8") as handle:
+        handle.write(json.dumps(index.to_json(), indent=2) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())  # durable before the rename makes it the index (the shards fsync on close)
     staging.replace(directory / INDEX_FILENAME)
     return index
 
