@@ -3,10 +3,12 @@ stage contract (skip when the manifest matches, rerun when the mapping or the so
 
 import json
 
+import pytest
+
 import torch
 
 from d9d.flows.cli import main
-from d9d.flows.jobs.contract import StageManifest
+from d9d.flows.jobs.contract import StageManifest, StageOutputConflict
 from d9d.flows.jobs.convert import ConvertConfig, convert_model
 from d9d.models import materialize_
 from d9d.models.qwen3 import Qwen3MoeForCausalLM, Qwen3MoeParameters
@@ -31,10 +33,15 @@ def test_embedded_default_converts_a_random_hf_checkpoint_and_then_skips(tmp_pat
     assert again.status == "skipped"
 
 
-def test_a_different_mapping_makes_the_output_stale(tmp_path):
+def test_a_different_mapping_makes_the_output_stale_and_replacing_it_takes_the_explicit_option(tmp_path):
     output = tmp_path / "model"
     convert_model(ConvertConfig(), output)
-    fused = convert_model(ConvertConfig(mapping="qwen3-moe-hf-to-d9d", max_shard_bytes=2**20), output)
+    created = StageManifest.read(output).created_at
+    other = ConvertConfig(mapping="qwen3-moe-hf-to-d9d", max_shard_bytes=2**20)
+    with pytest.raises(StageOutputConflict, match=r"complete convert output .* \(config changed \(max_shard_bytes\)\)"):
+        convert_model(other, output)
+    assert StageManifest.read(output).created_at == created
+    fused = convert_model(other, output, replace=True)
     assert fused.status == "ran"
     assert "config changed (max_shard_bytes)" in fused.reason
 

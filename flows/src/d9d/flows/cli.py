@@ -19,7 +19,7 @@ import yaml
 
 from d9d.flows.deployments import DEPLOYMENT_COMMANDS, add_deployment_commands, run_deployment_command
 from d9d.flows.jobs.config import JobConfig
-from d9d.flows.jobs.contract import StageBusyError, StageResult
+from d9d.flows.jobs.contract import StageBusyError, StageDirectory, StageOutputConflict, StageResult
 from d9d.flows.jobs.convert import add_convert_command, run_convert_command
 from d9d.flows.jobs.data_prep import CorpusError, SplitError, TokenizerError, preflight
 from d9d.flows.jobs.launch import LaunchCancelled
@@ -39,7 +39,9 @@ EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT
 EXIT_TERMINATED = 143  # 128 + SIGTERM
-INPUT_ERRORS = (JobConfigError, PreflightError, CorpusError, TokenizerError, SplitError, StageBusyError)
+INPUT_ERRORS = (
+    JobConfigError, PreflightError, CorpusError, TokenizerError, SplitError, StageBusyError, StageOutputConflict
+)  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,6 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _preflight(config: JobConfig, stages: Sequence[str]) -> None:
     for stage in stages:
+        StageDirectory(_stage_output(config, stage), replace=config.replace_outputs).refuse_foreign()
         match stage:
             case "data-prep":
                 preflight(config.data_prep, config.data_prep_output)
@@ -124,6 +127,18 @@ def _preflight(config: JobConfig, stages: Sequence[str]) -> None:
                 require_inputs(config, stage, stages)
             case _:
                 raise AssertionError(f"stage {stage!r} has no preflight")
+
+
+def _stage_output(config: JobConfig, stage: str) -> Path:
+    outputs = {
+        "data-prep": config.data_prep_output,
+        "finetune-data": config.finetune_data_output,
+        "convert": config.convert_output,
+        "pretrain": config.pretrain_output,
+        "finetune": config.finetune_output,
+        "evaluate": config.evaluate_output,
+    }
+    return outputs[stage]
 
 
 class Terminated(KeyboardInterrupt):
@@ -172,6 +187,9 @@ def _run(target: str, config: JobConfig, *, source: str) -> int:
         if isinstance(error, LaunchCancelled):
             say(f"d9d: interrupted: {error}; checkpoints are kept, run the same command to continue\n")
             return EXIT_TERMINATED if error.signum == signal.SIGTERM else EXIT_INTERRUPTED
+        if isinstance(error, StageOutputConflict):
+            say(f"d9d: error: {error}\n")
+            return EXIT_BAD_INPUT
         say(
             f"d9d: {target} failed after {seconds:.1f} s: {error}\n"
             "d9d: finished work is kept; fix the cause and run the same command to continue from where it failed\n"
