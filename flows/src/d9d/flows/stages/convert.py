@@ -62,7 +62,7 @@ def convert_flow(job: dict[str, Any]) -> dict[str, Any]:
     job_config = JobConfig.model_validate(job)
     config, output = job_config.convert, job_config.convert_output
     architecture = job_config.pretrain.model.parameters
-    directory = StageDirectory(output, replace=config.replace_outputs)
+    directory = StageDirectory(output, replace=job_config.replace_outputs)
     progress = _progress()
     with directory.lock():
         source = source_task(config, output, architecture)
