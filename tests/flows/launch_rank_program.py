@@ -2,7 +2,9 @@
 
 Each rank writes its pid to DIR/rank-R.pid, rank 0 reports progress lines, then by MODE: `finish` exits 0 after three
 steps, `fail` exits 3 on rank 1, `wait` runs until SIGTERM and then writes DIR/rank-R.stopped (what the Trainer
-does: finish the step, checkpoint, exit), `stubborn` ignores SIGTERM (so only SIGKILL ends it).
+does: finish the step, checkpoint, exit), `slow-stop` does the same but takes D9D_TEST_STOP_SECONDS (default 35: longer
+than the 30 s torchrun allows its ranks after forwarding a signal) to "checkpoint", `stubborn` ignores SIGTERM (so
+only SIGKILL ends it).
 """
 
 import os
@@ -35,6 +37,9 @@ def main() -> int:
         return 3 if rank == 1 else 0
     while not stop["asked"]:
         time.sleep(0.05)
+    if mode == "slow-stop":
+        (out / f"rank-{rank}.stopping").write_text(str(time.time()))
+        time.sleep(float(os.environ.get("D9D_TEST_STOP_SECONDS", "35")))
     (out / f"rank-{rank}.stopped").write_text("checkpointed")
     return 0
 

@@ -20,6 +20,7 @@ HERE = Path(__file__).parent
 
 
 def _spec(tmp_path: Path, mode: str, grace: float = 20.0) -> LaunchSpec:
+    """2 ranks of the stand-in rank program under the launcher's torchrun."""
     return LaunchSpec(
         module="launch_rank_program",
         args=[str(tmp_path), mode],
@@ -108,5 +109,50 @@ def test_an_exception_while_streaming_still_stops_every_rank(tmp_path):
 
     with pytest.raises(RuntimeError, match="interrupted by another handler"):
         launch(_spec(tmp_path, "wait"), on_progress=interrupted)
+    assert sorted(path.name for path in tmp_path.glob("rank-*.stopped")) == ["rank-0.stopped", "rank-1.stopped"]
+    assert not any(psutil.pid_exists(pid) for pid in _rank_pids(tmp_path))
+
+
+def test_ranks_get_the_whole_grace_period_not_torchruns_30_seconds(tmp_path):
+    """The stop signal goes to the ranks, not torchrun (which would SIGKILL them 30 s after forwarding it): ranks that
+    need 35 s to checkpoint finish within a 90 s grace period."""
+    _signal_when_ranks_run(tmp_path, signal.SIGTERM)
+    old = signal.signal(signal.SIGTERM, lambda *_: None)
+    started = time.monotonic()
+    try:
+        with pytest.raises(LaunchCancelled):
+            launch(_spec(tmp_path, "slow-stop", grace=90.0))
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert sorted(path.name for path in tmp_path.glob("rank-*.stopped")) == ["rank-0.stopped", "rank-1.stopped"]
+    assert 35 <= time.monotonic() - started < 90
+    assert not any(psutil.pid_exists(pid) for pid in _rank_pids(tmp_path))
+
+
+def test_the_node_launcher_of_cluster_jobs_hands_sigusr1_to_the_ranks_for_the_whole_grace_period(tmp_path):
+    """`python -m d9d.flows.jobs.launch --grace N -- torchrun ...`, as the Slurm and Kubernetes templates run it: the
+    scheduler's early signal (Slurm `--signal=USR1@N`, a pod's SIGTERM) reaches the ranks, which get all N seconds."""
+    import os
+    import subprocess
+    import sys
+
+    torchrun = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
+        "--rdzv-endpoint=localhost:0", "--max-restarts=0", "-m", "launch_rank_program", str(tmp_path), "slow-stop",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": f"{HERE}:{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
+    node = subprocess.Popen(
+        [sys.executable, "-m", "d9d.flows.jobs.launch", "--grace", "90", "--", *torchrun],
+        env=env,
+        stdout=(tmp_path / "node.log").open("w"),
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 120
+    while len(_rank_pids(tmp_path)) < 2:
+        assert node.poll() is None and time.monotonic() < deadline, (tmp_path / "node.log").read_text()
+        time.sleep(0.1)
+    time.sleep(0.5)
+    node.send_signal(signal.SIGUSR1)
+    assert node.wait(timeout=120) == 128 + signal.SIGUSR1
     assert sorted(path.name for path in tmp_path.glob("rank-*.stopped")) == ["rank-0.stopped", "rank-1.stopped"]
     assert not any(psutil.pid_exists(pid) for pid in _rank_pids(tmp_path))

@@ -3,9 +3,16 @@
 `torchrun` starts every rank in a session of its own, so signalling torchrun's process group does not reach the
 ranks. The launcher therefore starts torchrun in a new session (Ctrl-C on the terminal reaches only `d9d`), keeps
 a record of torchrun's descendants while it runs, and on SIGINT/SIGTERM (Ctrl-C, `kill`, Prefect's cancellation
-of a flow run) sends SIGTERM to torchrun and to every rank at once: the Trainer's ranks then agree to stop, finish
-the step and write a complete checkpoint. Whatever is left after `grace_seconds` gets SIGKILL. The signal is then
-handed to the handler that was installed before (so Prefect or the `d9d` command report the interruption).
+of a flow run) sends SIGTERM to every rank directly, not to torchrun: torchrun would forward it and SIGKILL the
+ranks 30 s later (a fixed timeout), too soon for a large checkpoint. The Trainer's ranks agree to stop, finish the
+step and write a complete checkpoint, and torchrun exits once they have. Whatever is left after `grace_seconds`
+gets SIGKILL. The signal is then handed to the handler that was installed before (so Prefect or the `d9d` command
+report the interruption). torchrun runs under `parent_death`: if the launcher's process dies (`kill -9`), torchrun
+gets SIGTERM and takes its ranks with it.
+
+`python -m d9d.flows.jobs.launch --grace SECONDS -- torchrun ARGS...` is the same stopper for one node of a cluster
+job (the Slurm and Kubernetes templates run it in place of a bare `torchrun`): SIGTERM or SIGUSR1 from the
+scheduler reaches the ranks at once and torchrun's 30 s never applies.
 
 Rank 0 reports progress as lines `d9d-progress {json}` on stdout (see `progress_line`); every other line is
 copied to the launch log and, if asked, to a callback. No Prefect here.
@@ -30,8 +37,11 @@ from typing import IO, Any
 
 import psutil
 
+from d9d.flows.jobs.parent_death import guarded_command
+
 PROGRESS_PREFIX = "d9d-progress "
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_NODE_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)  # USR1: Slurm's `--signal=USR1@N`
 
 
 class LaunchError(RuntimeError):
@@ -92,7 +102,7 @@ def launch(
         log.write(f"$ {' '.join(torchrun_command(spec))}\n")
         log.flush()
         process = subprocess.Popen(
-            torchrun_command(spec),
+            guarded_command(torchrun_command(spec)),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -160,7 +170,7 @@ def _pump(
 class _Stopper:
     """Tracks torchrun's process tree and stops all of it: SIGTERM first, SIGKILL after the grace period."""
 
-    def __init__(self, process: subprocess.Popen[str], grace_seconds: float) -> None:
+    def __init__(self, process: subprocess.Popen[Any], grace_seconds: float) -> None:
         self._process = process
         self._grace = grace_seconds
         self._known: dict[int, psutil.Process] = {}
@@ -171,8 +181,8 @@ class _Stopper:
 
     # Signals ---------------------------------------------------------------------------------------------------
 
-    def signals_forwarded(self) -> _Forwarding:
-        return _Forwarding(self)
+    def signals_forwarded(self, signals: Sequence[int] = _STOP_SIGNALS) -> _Forwarding:
+        return _Forwarding(self, signals)
 
     def on_signal(self, signum: int, frame: FrameType | None) -> None:
         del frame
@@ -180,7 +190,7 @@ class _Stopper:
             self.signum = signum
             self._deadline = time.monotonic() + self._grace
             self._scan()
-            self._signal_all(signal.SIGTERM)
+            self._ask_to_stop()
 
     def redeliver(self) -> None:
         """Hand the stop signal to the handler that was there before (Prefect's, the CLI's, or the default)."""
@@ -213,7 +223,7 @@ class _Stopper:
         # torchrun is reaped through Popen (so its exit code survives), the ranks through psutil.
         ranks = [proc for proc in self._alive() if proc.pid != self._process.pid]
         if self._process.poll() is None or ranks:
-            self._signal_all(signal.SIGTERM)
+            self._ask_to_stop()
             deadline = self._deadline if self._deadline is not None else time.monotonic() + self._grace
             try:
                 self._process.wait(timeout=max(deadline - time.monotonic(), 0.0))
@@ -243,17 +253,25 @@ class _Stopper:
         for proc in self._alive():
             _send(proc, signum)
 
+    def _ask_to_stop(self) -> None:
+        """SIGTERM to the ranks themselves (torchrun would SIGKILL them 30 s after forwarding it); to torchrun only
+        while it has no ranks (still in its rendezvous), or once they are gone."""
+        ranks = [proc for proc in self._alive() if proc.pid != self._process.pid and _is_rank(proc)]
+        for proc in ranks or self._alive():
+            _send(proc, signal.SIGTERM)
+
 
 class _Forwarding:
-    """Install the stopper's handler for SIGINT and SIGTERM while the launch runs (main thread only)."""
+    """Install the stopper's handler for the stop signals while the launch runs (main thread only)."""
 
-    def __init__(self, stopper: _Stopper) -> None:
+    def __init__(self, stopper: _Stopper, signals: Sequence[int] = _STOP_SIGNALS) -> None:
         self._stopper = stopper
+        self._signals = signals
 
     def __enter__(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return  # signals reach only the main thread; a caller elsewhere stops us by its own means
-        for signum in _STOP_SIGNALS:
+        for signum in self._signals:
             self._stopper._previous[signum] = signal.signal(signum, self._stopper.on_signal)
 
     def __exit__(self, *exc: object) -> None:
@@ -265,3 +283,48 @@ class _Forwarding:
 def _send(proc: psutil.Process, signum: int) -> None:
     with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
         proc.send_signal(signum)
+
+
+def _is_rank(proc: psutil.Process) -> bool:
+    """torchrun's workers carry their rank in the environment; torchrun's helpers (the parent_death wrapper
+    exec'ed into torchrun, a multiprocessing resource tracker) do not."""
+    try:
+        return "LOCAL_RANK" in proc.environ()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
+
+
+def run_node(command: Sequence[str], *, grace_seconds: float) -> int:
+    """Run `command` (a torchrun) to the end as one node of a cluster job: stop signals go to its ranks directly,
+    SIGKILL after `grace_seconds`. Returns torchrun's exit code, or 128 + the signal after a stop."""
+    process = subprocess.Popen(list(command), start_new_session=True)
+    stopper = _Stopper(process, grace_seconds)
+    with stopper.signals_forwarded(_NODE_STOP_SIGNALS):
+        try:
+            while process.poll() is None:
+                stopper.watch()
+                time.sleep(0.2)
+        finally:
+            stopper.stop_all(output_ended=True)
+    code = process.wait()
+    return 128 + stopper.signum if stopper.signum is not None else code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m d9d.flows.jobs.launch",
+        description="Run torchrun as one node of a cluster job; stop signals go to the ranks directly.",
+    )
+    parser.add_argument("--grace", type=float, required=True, help="seconds from the stop signal to SIGKILL")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- torchrun ARGS...")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("give the command after --, e.g. -- torchrun --nnodes 2 ...")
+    return run_node(command, grace_seconds=args.grace)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
