@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
 
@@ -20,7 +21,7 @@ _PR_SET_PDEATHSIG = 1
 def guarded_command(command: Sequence[str], *, signum: int = signal.SIGTERM) -> list[str]:
     """`command` wrapped so that it receives `signum` when this process dies. The wrapper runs as a file, not a
     module: it needs nothing but the standard library, whatever PYTHONPATH the command is given."""
-    script = os.path.abspath(__file__)
+    script = str(Path(__file__).resolve())
     return [sys.executable, script, str(os.getpid()), signal.Signals(signum).name, "--", *command]
 
 
@@ -36,13 +37,12 @@ def die_with_parent(parent: int, signum: int) -> bool:
     return True
 
 
-def main(argv: Sequence[str]) -> int:
+def main(argv: Sequence[str]) -> int:  # noqa: RET503 - exec replaces the process
     if len(argv) < 4 or argv[2] != "--":
         sys.stderr.write("usage: python -m d9d.flows.jobs.parent_death PARENT_PID SIGNAL -- COMMAND...\n")
         return 2
     die_with_parent(int(argv[0]), signal.Signals[argv[1]])
     os.execvp(argv[3], list(argv[3:]))  # noqa: S606 - the launcher's own argument list, no shell
-    return 127  # not reached: exec replaced this process or raised
 
 
 if __name__ == "__main__":
