@@ -4,7 +4,6 @@ stage contract (skip when the manifest matches, rerun when the mapping or the so
 import json
 
 import pytest
-
 import torch
 
 from d9d.flows.cli import main

@@ -272,7 +272,6 @@ def test_cluster_spec_rejects_zero_nodes_or_gpus(field):
         ClusterJobSpec(**{field: 0})
 
 
-
 # Hostile values are refused, secrets never rendered --------------------------------------------------------------
 
 HOSTILE = {
@@ -284,7 +283,7 @@ HOSTILE = {
     "venv": "/opt/venv'; reboot; '",
     "image": "ghcr.io/d9d/train:1 --privileged",
     "namespace": "default\nkind: ClusterRole",
-    "shared_claim": "claim\"}",
+    "shared_claim": 'claim"}',
 }
 
 
@@ -327,5 +326,7 @@ def test_secrets_come_from_secret_key_refs_and_the_slurm_environment_never_from_
     }
     script = render_cluster_job("slurm", spec, templates=INFRA)
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
-    done = subprocess.run(["bash", "-c", script.split("export OMP_NUM_THREADS")[0]], capture_output=True, text=True)
+    done = subprocess.run(
+        ["bash", "-c", script.split("export OMP_NUM_THREADS")[0]], capture_output=True, text=True, check=False
+    )
     assert done.returncode != 0 and "WANDB_API_KEY must be set in the environment that runs sbatch" in done.stderr
