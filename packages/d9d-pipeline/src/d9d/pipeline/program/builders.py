@@ -1,0 +1,163 @@
+"""Schedule builders: the compute order of every rank; `build_program` adds communication and validates.
+
+Notation: `p` pipeline ranks, `m` micro-batches, `v` stages per rank. Every builder returns, per rank, the order in
+which that rank runs forwards (`F`), full backwards (`B`) or split backwards (`I` then `W`) of its stages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from d9d.pipeline.program.actions import B, F, I, W, Action, Program
+from d9d.pipeline.program.communication import insert_communication
+from d9d.pipeline.program.greedy import greedy_zero_bubble
+from d9d.pipeline.program.layout import Placement, StageLayout
+from d9d.pipeline.program.validate import validate_program
+
+ComputeOrder = dict[int, list[Action]]
+
+
+def gpipe(p: int, m: int) -> tuple[StageLayout, ComputeOrder]:
+    """All forwards, then all backwards: `p - 1` slots of bubble at each end, `m` activations alive."""
+    return StageLayout(p), {r: [F(r, i) for i in range(m)] + [B(r, i) for i in range(m)] for r in range(p)}
+
+
+def one_f_one_b(p: int, m: int) -> tuple[StageLayout, ComputeOrder]:
+    """Rank `r` runs `p - 1 - r` warm-up forwards, then alternates forward and backward, then drains."""
+    order: ComputeOrder = {}
+    for r in range(p):
+        warmup = min(p - 1 - r, m)
+        actions = [F(r, i) for i in range(warmup)]
+        for i in range(m - warmup):
+            actions += [F(r, warmup + i), B(r, i)]
+        actions += [B(r, i) for i in range(m - warmup, m)]
+        order[r] = actions
+    return StageLayout(p), order
+
+
+def interleaved_one_f_one_b(p: int, m: int, v: int) -> tuple[StageLayout, ComputeOrder]:
+    """Megatron's interleaved (looped) 1F1B: rank `r` holds stages `r, r+p, ...`; micro-batches go through a rank's
+    chunks in rounds of `p`. Needs `m % p == 0`."""
+    layout = StageLayout(p, v)
+    total = m * v
+
+    def forward_at(r: int, k: int) -> Action:
+        chunk = (k // p) % v
+        return F(chunk * p + r, (k // (p * v)) * p + k % p)
+
+    def backward_at(r: int, k: int) -> Action:
+        chunk = v - 1 - (k // p) % v
+        return B(chunk * p + r, (k // (p * v)) * p + k % p)
+
+    order: ComputeOrder = {}
+    for r in range(p):
+        warmup = min((p - r - 1) * 2 + (v - 1) * p, total)
+        actions = [forward_at(r, k) for k in range(warmup)]
+        for k in range(total - warmup):
+            actions += [forward_at(r, warmup + k), backward_at(r, k)]
+        actions += [backward_at(r, k) for k in range(total - warmup, total)]
+        order[r] = actions
+    return layout, order
+
+
+def zero_bubble_h1(p: int, m: int) -> tuple[StageLayout, ComputeOrder]:
+    """ZB-H1: 1F1B's peak memory (no rank holds more than `p` micro-batches' activations) with the backward split into
+    `I` and `W`; weight gradients fill what would be 1F1B's bubbles (greedy order, see `greedy`)."""
+    layout = StageLayout(p)
+    return layout, greedy_zero_bubble(layout, m, max_alive=lambda _rank: p)
+
+
+def zero_bubble_v(p: int, m: int) -> tuple[StageLayout, ComputeOrder]:
+    """ZBV: two stages per rank in a V (rank `r` holds `r` and `2p-1-r`), split backward, greedy zero-bubble order
+    with at most `2p` stage-activations alive per rank (the memory of 1F1B)."""
+    layout = StageLayout(p, 2, Placement.V)
+    return layout, greedy_zero_bubble(layout, m, max_alive=lambda _rank: 2 * p)
+
+
+def dual_pipe_v(p: int, m: int) -> tuple[StageLayout, ComputeOrder]:
+    """DualPipeV (DeepSeek): V layout; forward/backward pairs of the two chunks in the steady state, zero-bubble
+    (`I` now, `W` later) backwards in the ramps. Chunk 0 of rank `r` is stage `r`, chunk 1 is stage `2p-1-r`.
+    Needs `m >= 2p`."""
+    layout = StageLayout(p, 2, Placement.V)
+    order: ComputeOrder = {}
+    for r in range(p):
+        stages = (r, 2 * p - 1 - r)
+        next_forward = [0, 0]
+        next_backward = [0, 0]
+        deferred: list[Action] = []
+        actions: list[Action] = []
+
+        def forward(chunk: int) -> None:
+            actions.append(F(stages[chunk], next_forward[chunk]))
+            next_forward[chunk] += 1
+
+        def backward(chunk: int, *, zero_bubble: bool = False) -> None:
+            stage, mb = stages[chunk], next_backward[chunk]
+            next_backward[chunk] += 1
+            if zero_bubble:
+                actions.append(I(stage, mb))
+                deferred.append(W(stage, mb))
+            else:
+                actions.append(B(stage, mb))
+
+        def weight() -> None:
+            actions.append(deferred.pop(0))
+
+        for _ in range((p - r - 1) * 2):  # 1: warm-up forwards of chunk 0
+            forward(0)
+        for _ in range(r + 1):  # 2: forward pairs
+            forward(0)
+            forward(1)
+        for _ in range(p - r - 1):  # 3: zero-bubble backward of chunk 1, its weight, a forward of chunk 1
+            backward(1, zero_bubble=True)
+            weight()
+            forward(1)
+        for _ in range(m - 2 * p + r + 1):  # 4: the steady state, F0+B1 then F1+B0
+            forward(0)
+            backward(1)
+            forward(1)
+            backward(0)
+        for _ in range(p - r - 1):  # 5: B1, then F1+B0
+            backward(1)
+            forward(1)
+            backward(0)
+        zero_bubble = False
+        for i in range(r + 1):  # 6: B1 B0, the second half zero-bubble
+            if i == (r + 1) // 2 and r % 2 == 1:
+                zero_bubble = True
+            backward(1, zero_bubble=zero_bubble)
+            if i == (r + 1) // 2 and r % 2 == 0:
+                zero_bubble = True
+            backward(0, zero_bubble=zero_bubble)
+        for _ in range(p - r - 1):  # 7: W then a zero-bubble B0
+            weight()
+            backward(0, zero_bubble=True)
+        while deferred:  # 8: the remaining weight gradients
+            weight()
+        order[r] = actions
+    return layout, order
+
+
+def inference(layout: StageLayout, m: int) -> tuple[StageLayout, ComputeOrder]:
+    """Forward only, for any layout: each micro-batch goes through the stages in order."""
+    order: ComputeOrder = {r: [] for r in range(layout.pp)}
+    for i in range(m):
+        for stage in range(layout.num_stages):
+            order[layout.rank_of(stage)].append(F(stage, i))
+    return layout, order
+
+
+def build_program(
+    name: str, builder: Callable[[], tuple[StageLayout, ComputeOrder]], num_microbatches: int, *, training: bool = True
+) -> Program:
+    """Run `builder`, insert the communication, validate (raises `ProgramError` with the reason) and return."""
+    layout, order = builder()
+    program = Program(
+        name=name,
+        layout=layout,
+        num_microbatches=num_microbatches,
+        ranks=insert_communication(layout, order),
+        training=training,
+    )
+    validate_program(program)
+    return program
