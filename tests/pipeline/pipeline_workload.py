@@ -175,6 +175,15 @@ def reference_run(family: str, *, steps: int, global_rows: int, seed: int = 5) -
     return records
 
 
+def shared_reference(family: str, *, steps: int, global_rows: int) -> list[RunRecord]:
+    """`reference_run` computed once, on rank 0, and handed to every rank (ranks share two cores)."""
+    box: list[object] = [reference_run(family, steps=steps, global_rows=global_rows) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    records = box[0]
+    assert isinstance(records, list)
+    return records
+
+
 def pipelined_run(
     ctx: DistributedContext,
     family: str,

@@ -15,7 +15,7 @@ from pipeline_workload import (
     max_param_error,
     max_relative,
     pipelined_run,
-    reference_run,
+    shared_reference,
 )
 
 from d9d.pipeline import (
@@ -43,7 +43,7 @@ SCHEDULES = {
 def _check(family: str, config: PipelineConfig, pp: int, dp_shard: int = 1) -> None:
     ctx = context(pp, dp_shard)
     record = pipelined_run(ctx, family, config, steps=STEPS, global_rows=ROWS, fsdp=dp_shard > 1)
-    reference = reference_run(family, steps=STEPS, global_rows=ROWS)
+    reference = shared_reference(family, steps=STEPS, global_rows=ROWS)
     losses = [step.losses[0] for step in reference]
     norms = [step.grad_norms[0] for step in reference]
     loss_error = max_relative(record.losses, losses)

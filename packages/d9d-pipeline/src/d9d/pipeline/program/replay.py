@@ -166,10 +166,10 @@ class _Replay:
                     full = Action(dependency.stage, ActionKind.BACKWARD, dependency.microbatch)
                     if full in self.done and action.kind is not ActionKind.BACKWARD_WEIGHT:
                         dependency = full
-                if dependency in self.done:
+                owner = self.layout.rank_of(dependency.stage)
+                if owner == rank and dependency in self.done:
                     ready = max(ready, self.done[dependency])
                     continue
-                owner = self.layout.rank_of(dependency.stage)
                 if owner == rank:
                     if action.kind is ActionKind.BACKWARD_WEIGHT:
                         raise self.fail(rank, action, f"the weight gradient needs {dependency} to run before it")
@@ -205,8 +205,15 @@ class _Replay:
     def waiting_for(self, rank: int) -> str:
         action = self.program.ranks[rank][self.pc[rank]]
         for dependency in _dependencies(action, self.layout.last_stage):
-            if dependency not in self.done and self.layout.rank_of(dependency.stage) != rank:
-                return f"{_describe_message(_message_for(dependency))} from rank {self.layout.rank_of(dependency.stage)}"
+            owner = self.layout.rank_of(dependency.stage)
+            if owner == rank:
+                continue
+            key = _message_for(dependency)
+            source, index = self.posted[(rank, key)]
+            if index < len(self.channels[(source, rank)].sent):
+                continue
+            finished = self.pc[owner] == len(self.program.ranks[owner])
+            return f"{_describe_message(key)} from rank {owner}" + (" (which finished without sending it)" if finished else "")
         return "nothing it can get"
 
     # The end ------------------------------------------------------------------------------------------------------

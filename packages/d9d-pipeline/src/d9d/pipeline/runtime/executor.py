@@ -3,7 +3,7 @@
 It is an interpreter over `Action`s (a `match` per kind) and the only code that communicates. Activations received
 from another rank become leaf tensors that require grad, so backward ends at the stage boundary and their `.grad`
 (full backward) or the input gradient of a split backward is what goes back. Consecutive stages on one rank hand
-tensors over directly. Communication actions in a row go out as one batch; a compute waits only for its own input.
+tensors over directly. Sends and receives are posted without blocking; a compute waits only for its own input.
 """
 
 from __future__ import annotations
@@ -85,8 +85,6 @@ class PipelineExecutor:
         comm = Communicator(self.group) if self.group is not None else None
         for action in program.for_rank(self.rank):
             if action.kind.is_compute:
-                if comm is not None:
-                    comm.flush()
                 self._compute(action, task, step)
             else:
                 assert comm is not None, f"{action} in a single-rank program"

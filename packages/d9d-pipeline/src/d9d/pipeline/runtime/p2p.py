@@ -1,4 +1,10 @@
-"""Batched non-blocking point-to-point messages of a pipeline group (gloo on CPU, NCCL on GPU)."""
+"""Non-blocking point-to-point messages of a pipeline group (gloo on CPU, NCCL on GPU).
+
+Every send and receive is posted on its own. Batching them (`batch_isend_irecv`) couples their completion: waiting
+for a batch's receive would also wait for its sends, and a send completes only once the peer posts the matching
+receive, which a valid program may do only after this rank's receive has been consumed (a deadlock the programs'
+semantics do not have). Receives are waited when their tensor is needed, sends at the end of the step.
+"""
 
 from __future__ import annotations
 
@@ -9,63 +15,35 @@ import torch.distributed as dist
 
 
 @dataclass
-class PendingBatch:
-    """Requests of one `batch_isend_irecv`, waited at most once (gloo hangs on a second wait of a P2P request)."""
+class ReceiveHandle:
+    """A posted receive, waited at most once (gloo hangs on a second wait of a point-to-point request)."""
 
-    works: list[dist.Work]
+    work: dist.Work | None
     done: bool = False
 
     def wait(self) -> None:
-        if not self.done:
-            for work in self.works:
-                work.wait()
-            self.done = True
-
-
-@dataclass
-class ReceiveHandle:
-    """A posted receive; waiting on it waits for the batch it went out in."""
-
-    batch: PendingBatch | None = None
-
-    def wait(self) -> None:
-        if self.batch is None:
-            raise RuntimeError("waiting for a receive that was never issued (flush the communicator first)")
-        self.batch.wait()
+        if not self.done and self.work is not None:
+            self.work.wait()
+        self.done = True
 
 
 @dataclass
 class Communicator:
-    """Collects consecutive sends and receives and issues them as one batch (peers are pipeline ranks)."""
-
     group: dist.ProcessGroup
-    _ops: list[dist.P2POp] = field(default_factory=list)
-    _handles: list[ReceiveHandle] = field(default_factory=list)  # receives of the batch being collected
-    _issued: list[PendingBatch] = field(default_factory=list)
+    _sends: list[tuple[dist.Work | None, torch.Tensor]] = field(default_factory=list)
 
     def _peer(self, pipeline_rank: int) -> int:
         return dist.get_global_rank(self.group, pipeline_rank)
 
     def send(self, tensor: torch.Tensor, pipeline_rank: int) -> None:
-        self._ops.append(dist.P2POp(dist.isend, tensor, self._peer(pipeline_rank), group=self.group))
+        # The tensor is kept until the send completes: it may be the only reference to a gradient.
+        self._sends.append((dist.isend(tensor, self._peer(pipeline_rank), group=self.group), tensor))
 
     def recv(self, buffer: torch.Tensor, pipeline_rank: int) -> ReceiveHandle:
-        self._ops.append(dist.P2POp(dist.irecv, buffer, self._peer(pipeline_rank), group=self.group))
-        handle = ReceiveHandle()
-        self._handles.append(handle)
-        return handle
-
-    def flush(self) -> None:
-        if not self._ops:
-            return
-        batch = PendingBatch(works=[work for work in dist.batch_isend_irecv(self._ops) if work is not None])
-        for handle in self._handles:
-            handle.batch = batch
-        self._issued.append(batch)
-        self._ops, self._handles = [], []
+        return ReceiveHandle(dist.irecv(buffer, self._peer(pipeline_rank), group=self.group))
 
     def wait_all(self) -> None:
-        self.flush()
-        for batch in self._issued:
-            batch.wait()
-        self._issued.clear()
+        for work, _ in self._sends:
+            if work is not None:
+                work.wait()
+        self._sends.clear()
