@@ -193,6 +193,7 @@ def pipelined_run(
     global_rows: int,
     fsdp: bool = False,
     checkpoint_dir: Path | None = None,
+    checkpoint_every: int | None = None,
     seed: int = 5,
 ) -> RunRecord:
     """Train through the core Trainer with the pipeline schedule; this rank's final parameters as full tensors."""
@@ -203,7 +204,11 @@ def pipelined_run(
         max_grad_norm=MAX_GRAD_NORM,
         seed=3,
         gc_every=None,
-        checkpointing=CheckpointingConfig(directory=checkpoint_dir) if checkpoint_dir is not None else None,
+        checkpointing=(
+            CheckpointingConfig(directory=checkpoint_dir, every_steps=checkpoint_every, keep_last=4)
+            if checkpoint_dir is not None
+            else None
+        ),
     )
     dp = ctx.degrees.dp_replicate * ctx.degrees.dp_shard
     num_microbatches = global_rows // dp

@@ -4,11 +4,12 @@ with 8 micro-batches of one row through the core Trainer, equals single-process 
 Tolerances (float32): the pipelined step runs exactly the reference's micro-batch forwards; what differs is the
 order of float32 sums (gradients accumulated per stage, the split backward's input and weight halves, the norm
 summed over stages), a few ulps per step, which AdamW's normalised update carries into the parameters. Loss and grad
-norm within 1e-5 relative, parameters within 2e-5 absolute after 10 steps (measured below 3e-6, see the report in
-docs/pipeline.md).
+norm within 1e-6 and 5e-6 relative, parameters within 2e-6 absolute after 10 steps: ten times the worst measured
+(loss 5e-8, grad norm 5.5e-7, parameters 2e-7 over every schedule, pp and family).
 """
 
 import pytest
+import torch.distributed as dist
 from pipeline_workload import (
     all_ranks_max,
     context,
@@ -29,7 +30,7 @@ from d9d.pipeline import (
 )
 
 STEPS, ROWS = 10, 8
-LOSS_RTOL, NORM_RTOL, PARAM_ATOL = 1e-5, 1e-5, 2e-5
+LOSS_RTOL, NORM_RTOL, PARAM_ATOL = 1e-6, 5e-6, 2e-6
 SCHEDULES = {
     "gpipe": GPipeConfig(),
     "1f1b": OneFOneBConfig(),
@@ -49,7 +50,8 @@ def _check(family: str, config: PipelineConfig, pp: int, dp_shard: int = 1) -> N
     loss_error = max_relative(record.losses, losses)
     norm_error = max_relative(record.grad_norms, norms)
     param_error = all_ranks_max(max_param_error(record.params, reference[-1].params))
-    print(f"{family} {config.schedule.kind} pp={pp} dp_shard={dp_shard}: loss {loss_error:.1e} norm {norm_error:.1e} params {param_error:.1e}")
+    if dist.get_rank() == 0:
+        print(f"{family} {config.schedule.kind} pp={pp} dp_shard={dp_shard}: loss {loss_error:.1e} norm {norm_error:.1e} params {param_error:.1e}")
     assert loss_error < LOSS_RTOL, (record.losses, losses)
     assert norm_error < NORM_RTOL, (record.grad_norms, norms)
     assert param_error < PARAM_ATOL
