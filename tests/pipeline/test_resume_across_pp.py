@@ -42,3 +42,33 @@ def test_pp2_checkpoint_resumes_with_pp1(tmp_path):
 @pytest.mark.distributed(world_size=4, timeout=400)
 def test_pp1_checkpoint_resumes_with_pp4_zbv(tmp_path):
     _resume(tmp_path, (1, 4, PipelineConfig()), (4, 1, PipelineConfig(schedule=ZeroBubbleVConfig())))
+
+
+@pytest.mark.distributed(world_size=4, timeout=300)
+def test_export_gathers_every_stage_of_pp2_with_fsdp():
+    """pp=2 x dp_shard=2 (stages FSDP-sharded): pipeline rank 0 ends up with the whole model's state, equal to the
+    single-process model's, ready for a Hugging Face writer."""
+    import torch
+
+    from d9d.models import materialize_
+    from d9d.models.qwen3 import parallelize_qwen3_moe
+    from d9d.parallel import FsdpConfig
+    from d9d.pipeline import gather_pipeline_state, merge_stage_modules, pipeline_group, plan_pipeline
+    from pipeline_workload import LAYERS, build_meta, initial_state, load_initial
+
+    ctx = context(2, 2)
+    plan = plan_pipeline(PipelineConfig(schedule=ZeroBubbleVConfig()), pp=2, num_layers=LAYERS, num_microbatches=4)
+    stages = []
+    for stage in plan.stages_of(ctx.pp_rank):
+        module = build_meta("moe", stage)
+        parallelize_qwen3_moe(module, ctx, FsdpConfig())
+        materialize_(module, ctx.device)
+        load_initial(module, "moe")
+        stages.append(module)
+    state = gather_pipeline_state(merge_stage_modules(stages), pipeline_group(ctx))
+    if ctx.pp_rank != 0:
+        assert state is None
+        return
+    expected = initial_state("moe")
+    assert state is not None and set(state) == set(expected)
+    assert all(torch.equal(state[name], expected[name]) for name in expected)

@@ -18,6 +18,7 @@ from d9d.pipeline.config import (
     ZeroBubbleVConfig,
     plan_pipeline,
 )
+from d9d.pipeline.export import gather_pipeline_state
 from d9d.pipeline.runtime.executor import PipelineExecutor
 from d9d.pipeline.runtime.model_view import merge_stage_modules
 from d9d.pipeline.runtime.split_backward import backward_input, backward_weight
@@ -45,6 +46,7 @@ __all__ = [
     "backward_input",
     "backward_weight",
     "build_pipeline_schedule",
+    "gather_pipeline_state",
     "merge_stage_modules",
     "pipeline_group",
     "plan_pipeline",
