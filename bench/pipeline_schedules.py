@@ -41,14 +41,26 @@ SCHEDULES = {
     "zbv": {"kind": "zbv"},
     "dualpipe_v": {"kind": "dualpipe_v"},
 }
-ANCHOR = dict(
-    hidden_size=1024, intermediate_size=3072, num_layers=32, num_attention_heads=16, num_key_value_heads=8,
-    head_dim=128, rope_theta=1e6, vocab_size=151936,
-)
-TINY = dict(
-    hidden_size=64, intermediate_size=128, num_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-    rope_theta=1e4, vocab_size=512,
-)
+ANCHOR = {
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_layers": 32,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "rope_theta": 1e6,
+    "vocab_size": 151936,
+}
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_layers": 8,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rope_theta": 1e4,
+    "vocab_size": 512,
+}
 
 
 @dataclass
@@ -71,8 +83,11 @@ class Task:
         return batch["labels"].numel()
 
     def forward_stage(self, module: nn.Module, batch, *, stage: PipelineStage, hidden):  # noqa: ANN001, ANN201
-        out = module(batch["input_ids"] if stage.is_first else None, hidden_states=hidden,
-                     labels=batch["labels"] if stage.is_last else None)
+        out = module(
+            batch["input_ids"] if stage.is_first else None,
+            hidden_states=hidden,
+            labels=batch["labels"] if stage.is_last else None,
+        )
         return LossResult(loss_sum=out.losses.sum()) if stage.is_last else out.hidden_states
 
     def activation_spec(self, batch, *, stage: PipelineStage) -> ActivationSpec:  # noqa: ANN001
@@ -104,8 +119,9 @@ def measure(ctx: DistributedContext, kind: str, args: argparse.Namespace) -> Row
         materialize_(module, ctx.device)
         return module.to(dtype)
 
-    schedule = build_pipeline_schedule(config, ctx, num_layers=params.num_layers,
-                                       num_microbatches=args.microbatches, build_stage=build_stage)
+    schedule = build_pipeline_schedule(
+        config, ctx, num_layers=params.num_layers, num_microbatches=args.microbatches, build_stage=build_stage
+    )
     model, group = schedule.model, pipeline_group(ctx)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     task = Task(params.hidden_size, dtype)
@@ -144,8 +160,11 @@ def measure(ctx: DistributedContext, kind: str, args: argparse.Namespace) -> Row
         for _ in range(args.profile_steps):
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 wall = step()
-            kernels = [(event.time_range.start, event.time_range.end) for event in prof.events()
-                       if event.device_type.name == "CUDA"]
+            kernels = [
+                (event.time_range.start, event.time_range.end)
+                for event in prof.events()
+                if event.device_type.name == "CUDA"
+            ]
             busy.append(merged_busy_seconds(kernels) * 1e-6)
             walls.append(wall)
     else:  # CPU: time inside the executor's compute actions
@@ -184,8 +203,9 @@ def measure(ctx: DistributedContext, kind: str, args: argparse.Namespace) -> Row
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--schedules", nargs="+", default=["1f1b", "interleaved_1f1b", "zbv", "dualpipe_v"],
-                        choices=sorted(SCHEDULES))
+    parser.add_argument(
+        "--schedules", nargs="+", default=["1f1b", "interleaved_1f1b", "zbv", "dualpipe_v"], choices=sorted(SCHEDULES)
+    )
     parser.add_argument("--microbatches", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
@@ -197,11 +217,16 @@ def main() -> None:
         torch.cuda.set_device(ctx.device)
     rows = [measure(ctx, kind, args) for kind in args.schedules]
     if ctx.rank == 0:
-        print("| schedule | pp | micro-batches | tokens/s per GPU | step s | measured bubble | simulated bubble | peak GiB |")
-        print("|---|---|---|---|---|---|---|---|")
+        print(
+            "| schedule | pp | micro-batches | tokens/s per GPU | step s | measured bubble | simulated bubble"
+            " | peak GiB",
+        )
+        print("|---|---|---|---|---|---|---|---")
         for row in rows:
-            print(f"| {row.schedule} | {row.pp} | {row.microbatches} | {row.tokens_per_second_per_gpu:,.0f} | "
-                  f"{row.step_seconds:.3f} | {row.measured_bubble:.3f} | {row.simulated_bubble:.3f} | {row.peak_gib:.1f} |")
+            print(
+                f"| {row.schedule} | {row.pp} | {row.microbatches} | {row.tokens_per_second_per_gpu:,.0f} | "
+                f"{row.step_seconds:.3f} | {row.measured_bubble:.3f} | {row.simulated_bubble:.3f} | {row.peak_gib:.1f}"
+            )
         print(json.dumps([asdict(row) for row in rows]))
     ctx.close()
 

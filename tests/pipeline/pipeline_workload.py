@@ -103,7 +103,9 @@ def load_initial(module: nn.Module, family: str) -> None:
     for name, tensor in module.state_dict().items():
         full = state[name]
         if isinstance(tensor, DTensor):
-            tensor.to_local().copy_(distribute_tensor(full, tensor.device_mesh, tensor.placements, src_data_rank=None).to_local())
+            tensor.to_local().copy_(
+                distribute_tensor(full, tensor.device_mesh, tensor.placements, src_data_rank=None).to_local()
+            )
         else:
             tensor.copy_(full)
 
@@ -151,7 +153,9 @@ def reference_run(family: str, *, steps: int, global_rows: int, seed: int = 5) -
     task = CausalLMPipelineTask()
     records: list[RunRecord] = []
     for step in range(steps):
-        batch = synthetic_global_batch(seed=seed, step=step, rows=global_rows, seq_len=SEQ, vocab_size=VOCAB, ignore_fraction=0.3)
+        batch = synthetic_global_batch(
+            seed=seed, step=step, rows=global_rows, seq_len=SEQ, vocab_size=VOCAB, ignore_fraction=0.3
+        )
         tokens = task.count_tokens(batch)
         optimizer.zero_grad(set_to_none=True)
         if aux is not None:
@@ -288,4 +292,3 @@ def all_ranks_max(value: float) -> float:
     tensor = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return float(tensor)
-

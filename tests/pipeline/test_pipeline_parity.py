@@ -51,7 +51,8 @@ def _check(family: str, config: PipelineConfig, pp: int, dp_shard: int = 1) -> N
     norm_error = max_relative(record.grad_norms, norms)
     param_error = all_ranks_max(max_param_error(record.params, reference[-1].params))
     if dist.get_rank() == 0:
-        print(f"{family} {config.schedule.kind} pp={pp} dp_shard={dp_shard}: loss {loss_error:.1e} norm {norm_error:.1e} params {param_error:.1e}")
+        print(f"{family} {config.schedule.kind} pp={pp} dp_shard={dp_shard}: ", end="")
+        print(f"loss {loss_error:.1e} norm {norm_error:.1e} params {param_error:.1e}")
     assert loss_error < LOSS_RTOL, (record.losses, losses)
     assert norm_error < NORM_RTOL, (record.grad_norms, norms)
     assert param_error < PARAM_ATOL

@@ -56,7 +56,7 @@ def test_every_schedule_builds_a_valid_program(name):
         assert sum(action.kind is ActionKind.FORWARD for action in computes) == stages * m
 
 
-@pytest.mark.parametrize("p, m", [(4, 8), (4, 16), (2, 8), (8, 16)])
+@pytest.mark.parametrize(("p", "m"), [(4, 8), (4, 16), (2, 8), (8, 16)])
 def test_simulated_bubbles_match_closed_forms(p, m):
     def bubble(builder) -> float:
         return replay(build_program("x", builder, m)).bubble_fraction
@@ -75,8 +75,11 @@ def test_simulated_bubbles_match_closed_forms(p, m):
 def test_forward_only_program_on_a_v_layout():
     layout = StageLayout(3, 2, Placement.V)
     program = build_program("inference", lambda: inference(layout, 4), 4, training=False)
-    assert all(action.kind in (ActionKind.FORWARD, ActionKind.SEND_ACTIVATION, ActionKind.RECV_ACTIVATION)
-               for actions in program.ranks.values() for action in actions)
+    assert all(
+        action.kind in (ActionKind.FORWARD, ActionKind.SEND_ACTIVATION, ActionKind.RECV_ACTIVATION)
+        for actions in program.ranks.values()
+        for action in actions
+    )
 
 
 def test_text_form():
@@ -107,14 +110,14 @@ def test_validator_rejects_a_missing_receive():
 
 def test_validator_rejects_a_duplicated_backward():
     program = _one_f_one_b()
-    actions = list(program.ranks[0]) + [Action(0, ActionKind.BACKWARD, 1)]
+    actions = [*program.ranks[0], Action(0, ActionKind.BACKWARD, 1)]
     with pytest.raises(ProgramError, match=r"rank 0, action 0B1 .*duplicated"):
         validate_program(_edited(program, 0, actions))
 
 
 def test_validator_rejects_a_weight_gradient_next_to_a_full_backward():
     program = _one_f_one_b()
-    actions = list(program.ranks[0]) + [Action(0, ActionKind.BACKWARD_WEIGHT, 0)]
+    actions = [*program.ranks[0], Action(0, ActionKind.BACKWARD_WEIGHT, 0)]
     with pytest.raises(ProgramError, match=r"0W0 .*(weight gradient needs|duplicated)"):
         validate_program(_edited(program, 0, actions))
 
@@ -129,7 +132,10 @@ def test_validator_rejects_a_missing_weight_gradient():
 def test_validator_rejects_receives_out_of_channel_order():
     program = _one_f_one_b()
     actions = list(program.ranks[1])
-    first, second = actions.index(Action(1, ActionKind.RECV_ACTIVATION, 0)), actions.index(Action(1, ActionKind.RECV_ACTIVATION, 1))
+    first, second = (
+        actions.index(Action(1, ActionKind.RECV_ACTIVATION, 0)),
+        actions.index(Action(1, ActionKind.RECV_ACTIVATION, 1)),
+    )
     actions[first], actions[second] = actions[second], actions[first]
     with pytest.raises(ProgramError, match=r"receive #0 from rank 0 would get message \('F', 0, 0\)|would land in"):
         validate_program(_edited(program, 1, actions))
@@ -138,8 +144,12 @@ def test_validator_rejects_receives_out_of_channel_order():
 def test_validator_reports_a_deadlock_with_every_blocked_rank():
     program = _one_f_one_b(2, 1)
     # Rank 0 waits for the gradient before it sends the activation that produces it.
-    actions = [Action(0, ActionKind.FORWARD, 0), Action(0, ActionKind.RECV_GRADIENT, 0), Action(0, ActionKind.BACKWARD, 0),
-               Action(0, ActionKind.SEND_ACTIVATION, 0)]
+    actions = [
+        Action(0, ActionKind.FORWARD, 0),
+        Action(0, ActionKind.RECV_GRADIENT, 0),
+        Action(0, ActionKind.BACKWARD, 0),
+        Action(0, ActionKind.SEND_ACTIVATION, 0),
+    ]
     with pytest.raises(ProgramError, match=r"deadlock: rank 0 waits at 0B0 .* rank 1 waits at 1F0"):
         validate_program(_edited(program, 0, actions))
 
@@ -148,8 +158,14 @@ def test_validator_rejects_a_stage_on_the_wrong_rank_and_an_incomplete_program()
     program = _one_f_one_b()
     with pytest.raises(ProgramError, match="stage 1 lives on rank 1"):
         validate_program(_edited(program, 0, [Action(1, ActionKind.FORWARD, 0)]))
-    cut = [a for a in program.ranks[0] if a.microbatch != 3] + [a for a in program.ranks[0] if a.microbatch == 3 and a.kind is ActionKind.FORWARD]
-    with pytest.raises(ProgramError, match="rank 1 waits at 1F3 for the activation of stage 0 for micro-batch 3 from rank 0 \\(which finished without sending it\\)"):
+    cut = [a for a in program.ranks[0] if a.microbatch != 3] + [
+        a for a in program.ranks[0] if a.microbatch == 3 and a.kind is ActionKind.FORWARD
+    ]
+    with pytest.raises(
+        ProgramError,
+        match=r"rank 1 waits at 1F3 for the activation of stage 0 for micro-batch 3 from rank 0 "
+        r"\(which finished without sending it\)",
+    ):
         validate_program(_edited(program, 0, cut))
 
 
@@ -157,16 +173,22 @@ def test_validator_rejects_a_stage_on_the_wrong_rank_and_an_incomplete_program()
 
 
 def test_plan_errors_name_the_values():
-    with pytest.raises(ValueError, match=r"dualpipe_v needs at least 2\*pp=8 micro-batches .* num_microbatches=6 with pp=4"):
+    with pytest.raises(
+        ValueError, match=r"dualpipe_v needs at least 2\*pp=8 micro-batches .* num_microbatches=6 with pp=4"
+    ):
         plan_pipeline(PipelineConfig(schedule=DualPipeVConfig()), pp=4, num_layers=8, num_microbatches=6)
     with pytest.raises(ValueError, match=r"multiple of pp, got num_microbatches=6 with pp=4"):
         plan_pipeline(PipelineConfig(schedule=Interleaved1F1BConfig()), pp=4, num_layers=8, num_microbatches=6)
-    with pytest.raises(ValueError, match=r"num_layers=6 \(\+0 virtual\) cannot fill 8 stages \(pp=4 x 2 stages per rank for zbv\)"):
+    with pytest.raises(
+        ValueError, match=r"num_layers=6 \(\+0 virtual\) cannot fill 8 stages \(pp=4 x 2 stages per rank for zbv\)"
+    ):
         plan_pipeline(PipelineConfig(schedule=ZeroBubbleVConfig()), pp=4, num_layers=6, num_microbatches=8)
     with pytest.raises(ValueError, match=r"num_layers=7 .* 8 layer slots, not divisible by 3 stages"):
         plan_pipeline(
             PipelineConfig(schedule=OneFOneBConfig(), virtual_layers_pre=1, even_split=True),
-            pp=3, num_layers=7, num_microbatches=4,
+            pp=3,
+            num_layers=7,
+            num_microbatches=4,
         )
     with pytest.raises(ValueError, match=r"schedule zbv splits backward .* FSDP \(dp_shard=2\)"):
         plan_pipeline(PipelineConfig(schedule=ZeroBubbleVConfig()), pp=2, num_layers=8, num_microbatches=4, dp_shard=2)

@@ -21,14 +21,23 @@ LOSS_RTOL, PARAM_ATOL = 1e-6, 2e-6
 def _resume(tmp_path, first: tuple[int, int, PipelineConfig], second: tuple[int, int, PipelineConfig]) -> None:
     root = tmp_path / "checkpoints"
     pp, dp_shard, config = first
-    pipelined_run(context(pp, dp_shard), "moe", config, steps=STEPS, global_rows=ROWS, fsdp=dp_shard > 1,
-                  checkpoint_dir=root, checkpoint_every=4)
+    pipelined_run(
+        context(pp, dp_shard),
+        "moe",
+        config,
+        steps=STEPS,
+        global_rows=ROWS,
+        fsdp=dp_shard > 1,
+        checkpoint_dir=root,
+        checkpoint_every=4,
+    )
     if dist.get_rank() == 0:
         shutil.rmtree(root / "step-00000008")
     dist.barrier()
     pp, dp_shard, config = second
-    resumed = pipelined_run(context(pp, dp_shard), "moe", config, steps=STEPS, global_rows=ROWS, fsdp=dp_shard > 1,
-                            checkpoint_dir=root)
+    resumed = pipelined_run(
+        context(pp, dp_shard), "moe", config, steps=STEPS, global_rows=ROWS, fsdp=dp_shard > 1, checkpoint_dir=root
+    )
     reference = shared_reference("moe", steps=STEPS, global_rows=ROWS)
     assert max_relative(resumed.losses, [step.losses[0] for step in reference[4:]]) < LOSS_RTOL
     assert all_ranks_max(max_param_error(resumed.params, reference[-1].params)) < PARAM_ATOL
@@ -49,12 +58,12 @@ def test_export_gathers_every_stage_of_pp2_with_fsdp():
     """pp=2 x dp_shard=2 (stages FSDP-sharded): pipeline rank 0 ends up with the whole model's state, equal to the
     single-process model's, ready for a Hugging Face writer."""
     import torch
+    from pipeline_workload import LAYERS, build_meta, initial_state, load_initial
 
     from d9d.models import materialize_
     from d9d.models.qwen3 import parallelize_qwen3_moe
     from d9d.parallel import FsdpConfig
     from d9d.pipeline import gather_pipeline_state, merge_stage_modules, pipeline_group, plan_pipeline
-    from pipeline_workload import LAYERS, build_meta, initial_state, load_initial
 
     ctx = context(2, 2)
     plan = plan_pipeline(PipelineConfig(schedule=ZeroBubbleVConfig()), pp=2, num_layers=LAYERS, num_microbatches=4)

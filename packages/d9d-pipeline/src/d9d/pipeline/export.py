@@ -38,6 +38,8 @@ def gather_pipeline_state(
         assert part is not None
         for name, tensor in part.items():
             if name in merged and not torch.equal(merged[name], tensor):
-                raise ValueError(f"pipeline rank {rank} holds {name!r} too, with other values; stage names must be global")
+                raise ValueError(
+                    f"pipeline rank {rank} holds {name!r} too, with other values; stage names must be global"
+                )
             merged[name] = tensor
     return merged

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from d9d.pipeline.program.actions import B, F, I, W, Action, Program
+from d9d.pipeline.program.actions import Action, B, F, I, Program, W
 from d9d.pipeline.program.communication import insert_communication
 from d9d.pipeline.program.greedy import greedy_zero_bubble
 from d9d.pipeline.program.layout import Placement, StageLayout
@@ -74,6 +74,33 @@ def zero_bubble_v(p: int, m: int) -> tuple[StageLayout, ComputeOrder]:
     return layout, greedy_zero_bubble(layout, m, max_alive=lambda _rank: 2 * p)
 
 
+class _DualPipeVRank:
+    """The compute order of one DualPipeV rank, written as its phases (chunk 0 = stage r, chunk 1 = 2p-1-r)."""
+
+    def __init__(self, p: int, r: int) -> None:
+        self.stages = (r, 2 * p - 1 - r)
+        self.next_forward = [0, 0]
+        self.next_backward = [0, 0]
+        self.deferred: list[Action] = []
+        self.actions: list[Action] = []
+
+    def forward(self, chunk: int) -> None:
+        self.actions.append(F(self.stages[chunk], self.next_forward[chunk]))
+        self.next_forward[chunk] += 1
+
+    def backward(self, chunk: int, *, zero_bubble: bool = False) -> None:
+        stage, mb = self.stages[chunk], self.next_backward[chunk]
+        self.next_backward[chunk] += 1
+        if zero_bubble:
+            self.actions.append(I(stage, mb))
+            self.deferred.append(W(stage, mb))
+        else:
+            self.actions.append(B(stage, mb))
+
+    def weight(self) -> None:
+        self.actions.append(self.deferred.pop(0))
+
+
 def dual_pipe_v(p: int, m: int) -> tuple[StageLayout, ComputeOrder]:
     """DualPipeV (DeepSeek): V layout; forward/backward pairs of the two chunks in the steady state, zero-bubble
     (`I` now, `W` later) backwards in the ramps. Chunk 0 of rank `r` is stage `r`, chunk 1 is stage `2p-1-r`.
@@ -81,60 +108,39 @@ def dual_pipe_v(p: int, m: int) -> tuple[StageLayout, ComputeOrder]:
     layout = StageLayout(p, 2, Placement.V)
     order: ComputeOrder = {}
     for r in range(p):
-        stages = (r, 2 * p - 1 - r)
-        next_forward = [0, 0]
-        next_backward = [0, 0]
-        deferred: list[Action] = []
-        actions: list[Action] = []
-
-        def forward(chunk: int) -> None:
-            actions.append(F(stages[chunk], next_forward[chunk]))
-            next_forward[chunk] += 1
-
-        def backward(chunk: int, *, zero_bubble: bool = False) -> None:
-            stage, mb = stages[chunk], next_backward[chunk]
-            next_backward[chunk] += 1
-            if zero_bubble:
-                actions.append(I(stage, mb))
-                deferred.append(W(stage, mb))
-            else:
-                actions.append(B(stage, mb))
-
-        def weight() -> None:
-            actions.append(deferred.pop(0))
-
+        rank = _DualPipeVRank(p, r)
         for _ in range((p - r - 1) * 2):  # 1: warm-up forwards of chunk 0
-            forward(0)
+            rank.forward(0)
         for _ in range(r + 1):  # 2: forward pairs
-            forward(0)
-            forward(1)
+            rank.forward(0)
+            rank.forward(1)
         for _ in range(p - r - 1):  # 3: zero-bubble backward of chunk 1, its weight, a forward of chunk 1
-            backward(1, zero_bubble=True)
-            weight()
-            forward(1)
+            rank.backward(1, zero_bubble=True)
+            rank.weight()
+            rank.forward(1)
         for _ in range(m - 2 * p + r + 1):  # 4: the steady state, F0+B1 then F1+B0
-            forward(0)
-            backward(1)
-            forward(1)
-            backward(0)
+            rank.forward(0)
+            rank.backward(1)
+            rank.forward(1)
+            rank.backward(0)
         for _ in range(p - r - 1):  # 5: B1, then F1+B0
-            backward(1)
-            forward(1)
-            backward(0)
+            rank.backward(1)
+            rank.forward(1)
+            rank.backward(0)
         zero_bubble = False
         for i in range(r + 1):  # 6: B1 B0, the second half zero-bubble
             if i == (r + 1) // 2 and r % 2 == 1:
                 zero_bubble = True
-            backward(1, zero_bubble=zero_bubble)
+            rank.backward(1, zero_bubble=zero_bubble)
             if i == (r + 1) // 2 and r % 2 == 0:
                 zero_bubble = True
-            backward(0, zero_bubble=zero_bubble)
+            rank.backward(0, zero_bubble=zero_bubble)
         for _ in range(p - r - 1):  # 7: W then a zero-bubble B0
-            weight()
-            backward(0, zero_bubble=True)
-        while deferred:  # 8: the remaining weight gradients
-            weight()
-        order[r] = actions
+            rank.weight()
+            rank.backward(0, zero_bubble=True)
+        while rank.deferred:  # 8: the remaining weight gradients
+            rank.weight()
+        order[r] = rank.actions
     return layout, order
 
 

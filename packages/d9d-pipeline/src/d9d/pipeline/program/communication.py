@@ -54,9 +54,7 @@ def produced_sends(layout: StageLayout, rank: int, action: Action) -> list[Actio
             return []
 
 
-def insert_communication(
-    layout: StageLayout, compute: Mapping[int, Sequence[Action]]
-) -> dict[int, tuple[Action, ...]]:
+def insert_communication(layout: StageLayout, compute: Mapping[int, Sequence[Action]]) -> dict[int, tuple[Action, ...]]:
     """Per-rank programs: `compute` with sends after producers and channel-ordered receives before consumers."""
     send_order: dict[MessageKey, int] = {}
     for rank, actions in compute.items():

@@ -35,11 +35,20 @@ def plot_timelines(timelines: Sequence[tuple[str, Timeline]], path: Path | str) 
     for axis, (title, timeline) in zip(panels, timelines, strict=True):
         for rank, items in timeline.ranks.items():
             for item in items:
-                axis.barh(rank, item.end - item.start, left=item.start, color=COLOURS[item.action.kind], edgecolor="white")
+                axis.barh(
+                    rank, item.end - item.start, left=item.start, color=COLOURS[item.action.kind], edgecolor="white"
+                )
                 width = item.end - item.start
                 if width >= 0.3:
-                    axis.text(item.start + width / 2, rank, str(item.action.microbatch), ha="center", va="center",
-                              fontsize=6, color="white")
+                    axis.text(
+                        item.start + width / 2,
+                        rank,
+                        str(item.action.microbatch),
+                        ha="center",
+                        va="center",
+                        fontsize=6,
+                        color="white",
+                    )
         axis.set_yticks(sorted(timeline.ranks), [f"rank {rank}" for rank in sorted(timeline.ranks)])
         axis.invert_yaxis()
         axis.set_xlim(0, timeline.makespan)

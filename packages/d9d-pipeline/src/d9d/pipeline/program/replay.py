@@ -139,7 +139,9 @@ class _Replay:
         channel = self.channels.setdefault((source, rank), _Channel())
         index = len(channel.posted)
         if index < len(channel.sent) and channel.sent[index][0] != key:
-            raise self.fail(rank, action, f"receive #{index} from rank {source} would get message {channel.sent[index][0]}")
+            raise self.fail(
+                rank, action, f"receive #{index} from rank {source} would get message {channel.sent[index][0]}"
+            )
         channel.posted.append((key, self.clock[rank], action))
         self.posted[(rank, key)] = (source, index)
 
@@ -160,33 +162,37 @@ class _Replay:
     def inputs_ready(self, rank: int, action: Action) -> float | None:
         """When every input of compute `action` is there; None while one is still on its way."""
         ready = 0.0
-        for dependency in _dependencies(action, self.layout.last_stage):
-            if isinstance(dependency, Action):
-                if dependency.kind is ActionKind.BACKWARD_INPUT and dependency not in self.done:
-                    full = Action(dependency.stage, ActionKind.BACKWARD, dependency.microbatch)
-                    if full in self.done and action.kind is not ActionKind.BACKWARD_WEIGHT:
-                        dependency = full
-                owner = self.layout.rank_of(dependency.stage)
-                if owner == rank and dependency in self.done:
-                    ready = max(ready, self.done[dependency])
-                    continue
-                if owner == rank:
-                    if action.kind is ActionKind.BACKWARD_WEIGHT:
-                        raise self.fail(rank, action, f"the weight gradient needs {dependency} to run before it")
-                    if dependency.kind is ActionKind.FORWARD and action.kind is not ActionKind.FORWARD:
-                        raise self.fail(rank, action, f"backward before its forward {dependency}")
-                    raise self.fail(rank, action, f"needs {dependency}, which comes later on this rank (or never)")
-                # A remote producer: through a posted receive.
-                key = _message_for(dependency)
-                posted = self.posted.get((rank, key))
-                if posted is None:
-                    raise self.fail(rank, action, f"needs {_describe_message(key)} from rank {owner}, but no receive of it precedes this action")
-                source, index = posted
-                channel = self.channels[(source, rank)]
-                if index >= len(channel.sent):
-                    return None
-                post_time = channel.posted[index][1]
-                ready = max(ready, channel.sent[index][1] + self.costs.latency, post_time)
+        for needed in _dependencies(action, self.layout.last_stage):
+            dependency = needed
+            if needed.kind is ActionKind.BACKWARD_INPUT and needed not in self.done:
+                full = _full_backward(needed)
+                if full in self.done and action.kind is not ActionKind.BACKWARD_WEIGHT:
+                    dependency = full
+            owner = self.layout.rank_of(dependency.stage)
+            if owner == rank and dependency in self.done:
+                ready = max(ready, self.done[dependency])
+                continue
+            if owner == rank:
+                if action.kind is ActionKind.BACKWARD_WEIGHT:
+                    raise self.fail(rank, action, f"the weight gradient needs {dependency} to run before it")
+                if dependency.kind is ActionKind.FORWARD and action.kind is not ActionKind.FORWARD:
+                    raise self.fail(rank, action, f"backward before its forward {dependency}")
+                raise self.fail(rank, action, f"needs {dependency}, which comes later on this rank (or never)")
+            # A remote producer: through a posted receive.
+            key = _message_for(dependency)
+            posted = self.posted.get((rank, key))
+            if posted is None:
+                raise self.fail(
+                    rank,
+                    action,
+                    f"needs {_describe_message(key)} from rank {owner}, but no receive of it precedes this action",
+                )
+            source, index = posted
+            channel = self.channels[(source, rank)]
+            if index >= len(channel.sent):
+                return None
+            post_time = channel.posted[index][1]
+            ready = max(ready, channel.sent[index][1] + self.costs.latency, post_time)
         return ready
 
     def check_not_duplicated(self, rank: int, action: Action) -> None:
@@ -213,7 +219,9 @@ class _Replay:
             if index < len(self.channels[(source, rank)].sent):
                 continue
             finished = self.pc[owner] == len(self.program.ranks[owner])
-            return f"{_describe_message(key)} from rank {owner}" + (" (which finished without sending it)" if finished else "")
+            return f"{_describe_message(key)} from rank {owner}" + (
+                " (which finished without sending it)" if finished else ""
+            )
         return "nothing it can get"
 
     # The end ------------------------------------------------------------------------------------------------------
@@ -223,7 +231,9 @@ class _Replay:
         for (source, target), channel in sorted(self.channels.items()):
             if len(channel.sent) != len(channel.posted):
                 extra = channel.sent[len(channel.posted) :] or channel.posted[len(channel.sent) :]
-                what = "sent but never received" if len(channel.sent) > len(channel.posted) else "received but never sent"
+                what = (
+                    "sent but never received" if len(channel.sent) > len(channel.posted) else "received but never sent"
+                )
                 raise ProgramError(f"{name}: rank {source} -> rank {target}: {_describe_message(extra[0][0])} {what}")
         for stage in range(self.layout.num_stages):
             for mb in range(self.program.num_microbatches):

@@ -80,7 +80,9 @@ class PipelineExecutor:
         self, program: Program, task: PipelineTask[Any], batches: Sequence[Any], *, loss_scale: float
     ) -> StepOutcome:
         if len(batches) != program.num_microbatches:
-            raise ValueError(f"program {program.name!r} is for {program.num_microbatches} micro-batches, got {len(batches)}")
+            raise ValueError(
+                f"program {program.name!r} is for {program.num_microbatches} micro-batches, got {len(batches)}"
+            )
         step = _Step(batches=batches, loss_scale=loss_scale, training=program.training)
         comm = Communicator(self.group) if self.group is not None else None
         for action in program.for_rank(self.rank):
@@ -136,7 +138,9 @@ class PipelineExecutor:
             case ActionKind.BACKWARD_INPUT:
                 root, grad = self._backward_root(action, step)
                 leaf = step.inputs.pop(key)
-                grads, work = backward_input([root], [grad], [leaf] if leaf is not None else [], self._params[action.stage])
+                grads, work = backward_input(
+                    [root], [grad], [leaf] if leaf is not None else [], self._params[action.stage]
+                )
                 step.weight_work[key] = work
                 self._hand_back(action, step, grads[0] if grads else None)
             case ActionKind.BACKWARD_WEIGHT:
@@ -153,10 +157,12 @@ class PipelineExecutor:
             else:
                 hidden = self._take_received(step, "F", (stage, mb))
             if step.training:
-                hidden = hidden.requires_grad_(True)
+                hidden = hidden.requires_grad_()
         step.inputs[(stage, mb)] = hidden
         with torch.set_grad_enabled(step.training):
-            result = task.forward_stage(self.modules[stage], step.batches[mb], stage=self.stage_info(stage), hidden=hidden)
+            result = task.forward_stage(
+                self.modules[stage], step.batches[mb], stage=self.stage_info(stage), hidden=hidden
+            )
         if stage == self.layout.last_stage:
             if not isinstance(result, LossResult):
                 raise TypeError(f"the last stage's forward_stage must return a LossResult, got {type(result).__name__}")
@@ -167,7 +173,9 @@ class PipelineExecutor:
                 step.outputs[(stage, mb)] = result.loss_sum * step.loss_scale
         else:
             if not isinstance(result, torch.Tensor):
-                raise TypeError(f"stage {stage}'s forward_stage must return the activation tensor, got {type(result).__name__}")
+                raise TypeError(
+                    f"stage {stage}'s forward_stage must return the activation tensor, got {type(result).__name__}"
+                )
             step.outputs[(stage, mb)] = result
 
     def _backward_root(self, action: Action, step: _Step) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -13,7 +13,7 @@ they run in both passes and may compute both halves (correct, only slower).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -70,7 +70,8 @@ def backward_input(
     if not input_nodes:  # a first stage: no input gradient; the weight pass is the whole backward
         work.edges = [GradientEdge(node, tensor.output_nr) for tensor in outputs if (node := _node_of(tensor))]
         work.grads = [
-            grad if grad is not None else torch.ones_like(tensor) for tensor, grad in zip(outputs, grad_outputs, strict=True)
+            grad if grad is not None else torch.ones_like(tensor)
+            for tensor, grad in zip(outputs, grad_outputs, strict=True)
         ]
         return [None] * len(inputs), work
     on_input_path = _reaching(roots, input_nodes)
@@ -78,11 +79,13 @@ def backward_input(
     intermediates = [
         node
         for node in on_input_path
-        if any(child is not None and child in to_params and child not in on_input_path for child, _ in node.next_functions)
+        if any(
+            child is not None and child in to_params and child not in on_input_path for child, _ in node.next_functions
+        )
     ]
     captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
 
-    def capture(node: Node):  # noqa: ANN202 - a pre-hook closure
+    def capture(node: Node) -> Callable[[tuple[torch.Tensor | None, ...]], None]:
         def hook(grads: tuple[torch.Tensor | None, ...]) -> None:
             captured[node] = grads
 
@@ -90,7 +93,9 @@ def backward_input(
 
     handles = [node.register_prehook(capture(node)) for node in intermediates]
     try:
-        seeds = [grad if grad is not None else torch.ones_like(out) for out, grad in zip(outputs, grad_outputs, strict=True)]
+        seeds = [
+            grad if grad is not None else torch.ones_like(out) for out, grad in zip(outputs, grad_outputs, strict=True)
+        ]
         wanted = [tensor for tensor in inputs if tensor.requires_grad]
         grads = torch.autograd.grad(list(outputs), wanted, seeds, retain_graph=True, allow_unused=True)
     finally:
@@ -117,12 +122,10 @@ def backward_weight(work: WeightGradientWork, params: Sequence[torch.Tensor]) ->
     if not work.edges:
         return
     wanted = [param for param in params if param.requires_grad]
-    handles = [
-        node.register_prehook(lambda _incoming, fixed=fixed: fixed)  # type: ignore[misc]
-        for node, fixed in work.replace.items()
-    ]
+    handles = [node.register_prehook(lambda _incoming, fixed=fixed: fixed) for node, fixed in work.replace.items()]
     try:
-        grads = torch.autograd.grad(work.edges, wanted, work.grads, allow_unused=True)
+        # allow_unused: a parameter this micro-batch never reached (an expert no token chose) gets None
+        grads: Sequence[torch.Tensor | None] = torch.autograd.grad(work.edges, wanted, work.grads, allow_unused=True)
     finally:
         for handle in handles:
             handle.remove()
