@@ -3,7 +3,9 @@ Qwen3 dense and Qwen3-MoE models: the chunked linear-cross-entropy loss (a custo
 router's auxiliary losses (attached with another custom Function), grouped expert matmuls. The input pass must not
 touch any parameter's gradient. Bitwise equality is expected and asserted with a 1e-6 slack: the two passes run the
 same kernels on the same tensors; only the parameter gradients that gather contributions from several paths (the
-split pass adds the W-pass result into `.grad` once) may round differently."""
+split pass adds the W-pass result into `.grad` once) may round differently. The chunked loss reads the backward
+phase and skips the unused half in each pass; "whole" (first and last stage at once, where the weight pass is the
+entire backward) pins that it must not skip anything there."""
 
 import pytest
 import torch
@@ -24,10 +26,11 @@ def _stage(family: str, index: int, count: int):
 
 
 @pytest.mark.parametrize("family", ["dense", "moe"])
-@pytest.mark.parametrize("position", ["first", "middle", "last"])
+@pytest.mark.parametrize("position", ["first", "middle", "last", "whole"])
 def test_split_backward_equals_full_backward(family, position):
-    index = {"first": 0, "middle": 1, "last": 2}[position]
-    module = _stage(family, index, 3)
+    index, count = {"first": (0, 3), "middle": (1, 3), "last": (2, 3), "whole": (0, 1)}[position]
+    is_last = index == count - 1
+    module = _stage(family, index, count)
     params = [param for param in module.parameters() if param.requires_grad]
     generator = torch.Generator().manual_seed(7)
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=generator)
@@ -37,9 +40,9 @@ def test_split_backward_equals_full_backward(family, position):
 
     def run() -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         x = None if index == 0 else hidden.clone().requires_grad_(True)
-        out = module(ids if index == 0 else None, hidden_states=x, labels=labels if index == 2 else None)
-        root = out.losses.sum() if index == 2 else out.hidden_states
-        return root, x, None if index == 2 else grad_out
+        out = module(ids if index == 0 else None, hidden_states=x, labels=labels if is_last else None)
+        root = out.losses.sum() if is_last else out.hidden_states
+        return root, x, None if is_last else grad_out
 
     root, x, grad = run()
     torch.autograd.backward([root], [grad] if grad is not None else None)

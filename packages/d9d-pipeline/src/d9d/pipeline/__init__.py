@@ -21,6 +21,7 @@ from d9d.pipeline.config import (
 from d9d.pipeline.export import gather_pipeline_state
 from d9d.pipeline.runtime.executor import PipelineExecutor
 from d9d.pipeline.runtime.model_view import merge_stage_modules
+from d9d.pipeline.runtime.phase import BackwardPhase, backward_phase, current_backward_phase
 from d9d.pipeline.runtime.split_backward import backward_input, backward_weight
 from d9d.pipeline.schedule import PipelineSchedule
 from d9d.pipeline.stage import SINGLE_STAGE, PipelineStage
@@ -30,6 +31,7 @@ __all__ = [
     "SINGLE_STAGE",
     "ActivationSpec",
     "AnyScheduleConfig",
+    "BackwardPhase",
     "DualPipeVConfig",
     "GPipeConfig",
     "Interleaved1F1BConfig",
@@ -44,8 +46,10 @@ __all__ = [
     "ZeroBubbleH1Config",
     "ZeroBubbleVConfig",
     "backward_input",
+    "backward_phase",
     "backward_weight",
     "build_pipeline_schedule",
+    "current_backward_phase",
     "gather_pipeline_state",
     "merge_stage_modules",
     "pipeline_group",

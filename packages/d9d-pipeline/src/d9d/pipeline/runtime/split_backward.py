@@ -8,7 +8,8 @@ backward formulas compute only the gradients someone asked for, so the matmuls' 
 `backward_weight` later runs `torch.autograd.grad` from those nodes (as `GradientEdge`s, seeded with the captured
 gradients) to the parameters. An intermediate may also sit downstream of another; a pre-hook then *replaces* what
 flows into it by its captured gradient, so nothing is counted twice. Custom `autograd.Function`s need no change:
-they run in both passes and may compute both halves (correct, only slower).
+they run in both passes and may compute both halves (correct, only slower); those that read
+`current_backward_phase()` skip the half nobody uses.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
+
+from d9d.pipeline.runtime.phase import BackwardPhase, backward_phase
 
 
 def _node_of(tensor: torch.Tensor) -> Node | None:
@@ -54,6 +57,7 @@ class WeightGradientWork:
     edges: list[GradientEdge] = field(default_factory=list)
     grads: list[torch.Tensor] = field(default_factory=list)
     replace: dict[Node, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
+    whole: bool = False  # a first stage: the weight pass is an ordinary backward (every gradient is used)
 
 
 def backward_input(
@@ -68,6 +72,7 @@ def backward_input(
     param_nodes = {node for node in map(_node_of, params) if node is not None}
     work = WeightGradientWork()
     if not input_nodes:  # a first stage: no input gradient; the weight pass is the whole backward
+        work.whole = True
         work.edges = [GradientEdge(node, tensor.output_nr) for tensor in outputs if (node := _node_of(tensor))]
         work.grads = [
             grad if grad is not None else torch.ones_like(tensor)
@@ -97,7 +102,8 @@ def backward_input(
             grad if grad is not None else torch.ones_like(out) for out, grad in zip(outputs, grad_outputs, strict=True)
         ]
         wanted = [tensor for tensor in inputs if tensor.requires_grad]
-        grads = torch.autograd.grad(list(outputs), wanted, seeds, retain_graph=True, allow_unused=True)
+        with backward_phase(BackwardPhase.INPUT):
+            grads = torch.autograd.grad(list(outputs), wanted, seeds, retain_graph=True, allow_unused=True)
     finally:
         for handle in handles:
             handle.remove()
@@ -125,7 +131,10 @@ def backward_weight(work: WeightGradientWork, params: Sequence[torch.Tensor]) ->
     handles = [node.register_prehook(lambda _incoming, fixed=fixed: fixed) for node, fixed in work.replace.items()]
     try:
         # allow_unused: a parameter this micro-batch never reached (an expert no token chose) gets None
-        grads: Sequence[torch.Tensor | None] = torch.autograd.grad(work.edges, wanted, work.grads, allow_unused=True)
+        with backward_phase(BackwardPhase.FULL if work.whole else BackwardPhase.WEIGHT):
+            grads: Sequence[torch.Tensor | None] = torch.autograd.grad(
+                work.edges, wanted, work.grads, allow_unused=True
+            )
     finally:
         for handle in handles:
             handle.remove()
