@@ -203,3 +203,16 @@ def test_config_rejects_unknown_schedules_and_keys():
     plan = plan_pipeline(config, pp=2, num_layers=12, num_microbatches=4)
     assert [stage.index for stage in plan.stages_of(1)] == [1, 3, 5]
     assert list(plan.stage(5).layers(12)) == [10, 11]
+
+
+def test_validator_rejects_pair_operations_in_different_orders():
+    """Rank 1 posts the receive of micro-batch 1's activation after sending micro-batch 0's gradient, while rank 0
+    sends that activation before receiving the gradient: fine for gloo's per-direction matching, a stream deadlock
+    for NCCL, which runs a pair's operations of both directions in issue order."""
+    program = _one_f_one_b(2, 2)
+    actions = list(program.ranks[1])
+    recv, send = Action(1, ActionKind.RECV_ACTIVATION, 1), Action(1, ActionKind.SEND_GRADIENT, 0)
+    actions.remove(recv)
+    actions.insert(actions.index(send) + 1, recv)
+    with pytest.raises(ProgramError, match=r"ranks 0 and 1 issue their point-to-point operations in different orders"):
+        validate_program(_edited(program, 1, actions))

@@ -9,9 +9,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from d9d.pipeline.program.actions import Action, B, F, I, Program, W
-from d9d.pipeline.program.communication import insert_communication
+from d9d.pipeline.program.communication import insert_communication, order_pairs
 from d9d.pipeline.program.greedy import greedy_zero_bubble
 from d9d.pipeline.program.layout import Placement, StageLayout
+from d9d.pipeline.program.replay import replay
 from d9d.pipeline.program.validate import validate_program
 
 ComputeOrder = dict[int, list[Action]]
@@ -156,14 +157,13 @@ def inference(layout: StageLayout, m: int) -> tuple[StageLayout, ComputeOrder]:
 def build_program(
     name: str, builder: Callable[[], tuple[StageLayout, ComputeOrder]], num_microbatches: int, *, training: bool = True
 ) -> Program:
-    """Run `builder`, insert the communication, validate (raises `ProgramError` with the reason) and return."""
+    """Run `builder`, insert the communication, validate (raises `ProgramError` with the reason) and return.
+
+    Communication is placed twice: channel by channel first, then, from that draft's replayed send times, in one
+    common order per pair of ranks (see `order_pairs`), which NCCL needs."""
     layout, order = builder()
-    program = Program(
-        name=name,
-        layout=layout,
-        num_microbatches=num_microbatches,
-        ranks=insert_communication(layout, order),
-        training=training,
-    )
+    draft = Program(name, layout, num_microbatches, insert_communication(layout, order), training)
+    end_times = {item.action: item.end for items in replay(draft).ranks.values() for item in items}
+    program = Program(name, layout, num_microbatches, order_pairs(layout, order, end_times), training)
     validate_program(program)
     return program
