@@ -122,10 +122,11 @@ class CausalLMPipelineTask:
     def forward_stage(
         self, module: nn.Module, batch: TokenBatch, *, stage: PipelineStage, hidden: torch.Tensor | None
     ) -> torch.Tensor | LossResult:
+        device = next(module.parameters()).device  # the synthetic source yields CPU tensors
         out = module(
-            batch.input_ids if stage.is_first else None,
+            batch.input_ids.to(device) if stage.is_first else None,
             hidden_states=hidden,
-            labels=batch.labels if stage.is_last else None,
+            labels=batch.labels.to(device) if stage.is_last else None,
         )
         if stage.is_last:
             return LossResult(loss_sum=out.losses.sum())
@@ -179,10 +180,12 @@ def reference_run(family: str, *, steps: int, global_rows: int, seed: int = 5) -
     return records
 
 
-def shared_reference(family: str, *, steps: int, global_rows: int) -> list[RunRecord]:
-    """`reference_run` computed once, on rank 0, and handed to every rank (ranks share two cores)."""
+def shared_reference(
+    family: str, *, steps: int, global_rows: int, device: torch.device | None = None
+) -> list[RunRecord]:
+    """`reference_run` computed once, on rank 0 (on CPU), and handed to every rank (ranks share two cores)."""
     box: list[object] = [reference_run(family, steps=steps, global_rows=global_rows) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, device=device)
     records = box[0]
     assert isinstance(records, list)
     return records
@@ -274,8 +277,8 @@ def pipelined_run(
     return RunRecord(losses=[result.losses[step] for step in sorted(result.losses)], grad_norms=norms, params=params)
 
 
-def context(pp: int, dp_shard: int = 1) -> DistributedContext:
-    return DistributedContext.build(MeshDegrees(pp=pp, dp_shard=dp_shard), device="cpu")
+def context(pp: int, dp_shard: int = 1, device: str = "cpu") -> DistributedContext:
+    return DistributedContext.build(MeshDegrees(pp=pp, dp_shard=dp_shard), device=device)  # type: ignore[arg-type]
 
 
 def max_relative(actual: list[float], expected: list[float]) -> float:
@@ -285,10 +288,10 @@ def max_relative(actual: list[float], expected: list[float]) -> float:
 
 def max_param_error(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
     assert actual, "this rank holds no parameters"
-    return max(float((actual[name] - expected[name]).abs().max()) for name in actual)
+    return max(float((actual[name].cpu() - expected[name]).abs().max()) for name in actual)
 
 
-def all_ranks_max(value: float) -> float:
-    tensor = torch.tensor([value], dtype=torch.float64)
+def all_ranks_max(value: float, device: torch.device | None = None) -> float:
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return float(tensor)
