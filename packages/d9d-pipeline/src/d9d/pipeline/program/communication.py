@@ -130,12 +130,12 @@ def order_pairs(
             ]
             pair.sort(key=lambda item: (item[0], item[1]))
             next_position = float("inf")
-            for _, key, index, recv in reversed(pair):
-                if recv is None:  # our own send: fixed
+            for _, key, index, receive in reversed(pair):
+                if receive is None:  # our own send: fixed
                     next_position = send_key[key][1]
                     continue
                 next_position = min(index - 0.5, next_position - 1e-6)
-                keys[rank].append((next_position, recv))
+                keys[rank].append((next_position, receive))
     return {
         rank: tuple(action for _, action in sorted(items, key=lambda item: item[0])) for rank, items in keys.items()
     }
