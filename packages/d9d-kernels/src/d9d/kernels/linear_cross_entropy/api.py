@@ -8,6 +8,7 @@ import torch
 
 from d9d.kernels.linear_cross_entropy.chunks import LogitStats, logit_gradients, logit_stats, losses_from_stats
 from d9d.kernels.linear_cross_entropy.reference import TorchChunkMath
+from d9d.kernels.split_backward import wanted_backward_halves
 
 
 class LinearCrossEntropyKernel(Protocol):
@@ -48,9 +49,10 @@ class _EagerLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_losses: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, labels, lse = ctx.saved_tensors
+        want_input, want_weight = wanted_backward_halves()  # a pipeline's split backward uses one per pass
         grad_hidden, grad_weight = logit_gradients(
             hidden, weight, labels, lse, grad_losses, vocab_start=0, chunk_size=ctx.chunk_size, math=_TORCH_MATH,
-            want_input=ctx.needs_input_grad[0], want_weight=ctx.needs_input_grad[1],
+            want_input=want_input and ctx.needs_input_grad[0], want_weight=want_weight and ctx.needs_input_grad[1],
         )  # fmt: skip
         return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None
 

@@ -14,6 +14,7 @@ import torch
 
 from d9d.kernels.linear_cross_entropy.chunks import LogitStats, logit_gradients, logit_stats, losses_from_stats
 from d9d.kernels.linear_cross_entropy.triton_kernels import TritonChunkMath
+from d9d.kernels.split_backward import wanted_backward_halves
 from d9d.kernels.triton_support import check_triton_device
 
 _MATH = TritonChunkMath()
@@ -150,7 +151,17 @@ class _TritonLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx: Any, grad_losses: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, labels, lse = ctx.saved_tensors
         grad_losses = grad_losses.contiguous()
-        grad_hidden, grad_weight = _backward_op(hidden, weight, labels, lse, grad_losses, 0, ctx.chunk_size)
+        want_input, want_weight = wanted_backward_halves()  # a pipeline's split backward uses one per pass
+        want_input, want_weight = want_input and ctx.needs_input_grad[0], want_weight and ctx.needs_input_grad[1]
+        if want_input and want_weight:
+            grad_hidden, grad_weight = _backward_op(hidden, weight, labels, lse, grad_losses, 0, ctx.chunk_size)
+            return grad_hidden, grad_weight, None, None
+        grad_hidden = (
+            _backward_input_op(hidden, weight, labels, lse, grad_losses, 0, ctx.chunk_size) if want_input else None
+        )
+        grad_weight = (
+            _backward_weight_op(hidden, weight, labels, lse, grad_losses, 0, ctx.chunk_size) if want_weight else None
+        )
         return grad_hidden, grad_weight, None, None
 
 
