@@ -142,7 +142,7 @@ def _replicated_local(hidden: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(
+    def forward(  # noqa: PLR0917 - autograd.Function.forward takes its inputs positionally
         ctx: Any,
         hidden: torch.Tensor,
         weight: torch.Tensor,
