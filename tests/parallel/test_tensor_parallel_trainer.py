@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "core" / "loop"))  # the Trainer workload of the loop tests
-from loop_workload import (  # noqa: E402
+from loop_workload import (
     SEQ,
     VOCAB,
     build_tiny,
@@ -31,9 +31,9 @@ from loop_workload import (  # noqa: E402
     optimizer_provider,
 )
 
-from d9d.core.dist import DistributedContext, MeshDegrees  # noqa: E402
-from d9d.core.loop import EventBus, OptimizerStepped  # noqa: E402
-from d9d.models import materialize_  # noqa: E402
+from d9d.core.dist import DistributedContext, MeshDegrees
+from d9d.core.loop import EventBus, OptimizerStepped
+from d9d.models import materialize_
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:FSDP2-wrapped module.*returned a view tensor:UserWarning"),
@@ -76,7 +76,7 @@ class _LastDimRecorder(TorchDispatchMode):
         super().__init__()
         self.watched, self.seen = watched, 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for tensor in tree_flatten(out)[0]:
             if isinstance(tensor, torch.Tensor) and tensor.ndim >= 2 and tensor.shape[-1] == self.watched:
