@@ -84,12 +84,12 @@ class _LastDimRecorder(TorchDispatchMode):
         return out
 
 
-def _check(family: str) -> None:
-    ctx = DistributedContext.build(MeshDegrees(dp_shard=2, tp=2), device="cpu")
+def _check(family: str, degrees: MeshDegrees, parallel: str) -> None:
+    ctx = DistributedContext.build(degrees, device="cpu")
     norms: list[float] = []
     events = EventBus()
     events.subscribe(OptimizerStepped, lambda event: norms.append(event.grad_norm))
-    trainer = build_tiny_trainer(ctx, family=family, parallel="fsdp", total_steps=STEPS, events=events)
+    trainer = build_tiny_trainer(ctx, family=family, parallel=parallel, total_steps=STEPS, events=events)
     recorder = _LastDimRecorder(VOCAB)
     with recorder:
         result = trainer.train()
@@ -119,7 +119,8 @@ def _check(family: str) -> None:
         loss_gap = max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True))
         norm_gap = max(abs(a - b) / b for a, b in zip(norms, ref_norms, strict=True))
         param_gap = max(float((full_params[name] - ref).abs().max()) for name, ref in ref_params.items())
-        print(f"{family} tp2 x dp_shard2: loss {loss_gap:.2e}, grad norm (rel.) {norm_gap:.2e}, params {param_gap:.2e}")
+        shown = f"{family} {degrees.describe()} {parallel}"
+        print(f"{shown}: loss {loss_gap:.2e}, grad norm (rel.) {norm_gap:.2e}, params {param_gap:.2e}")
         assert loss_gap <= LOSS_TOLERANCE, (losses, ref_losses)
         assert norm_gap <= NORM_RELATIVE_TOLERANCE, (norms, ref_norms)
         assert param_gap <= PARAM_TOLERANCE
@@ -130,4 +131,12 @@ def _check(family: str) -> None:
 @pytest.mark.parametrize("family", ["dense", "moe"])
 @pytest.mark.distributed(world_size=4, timeout=600)
 def test_tp2_dp2_trainer_matches_single_process_whole_batch(family):
-    _check(family)
+    _check(family, MeshDegrees(dp_shard=2, tp=2), "fsdp")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["dense", "moe"])
+@pytest.mark.distributed(world_size=4, timeout=600)
+def test_hsdp_with_tp_trainer_matches_single_process_whole_batch(family):
+    """dp_replicate=2 x tp=2 under HSDP (shard size 1): the replicate dimension composes with tp as well."""
+    _check(family, MeshDegrees(dp_replicate=2, tp=2), "hsdp")

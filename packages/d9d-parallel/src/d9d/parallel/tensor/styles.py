@@ -128,12 +128,12 @@ def _first_input_as(placements: tuple[Placement, ...]) -> Any:
     return prepare
 
 
-def _column_input(_module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
+def _column_input(_module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> Any:  # torch types it None
     first, rest = inputs[0], inputs[1:]
     if isinstance(first, DTensor):
         return (first.redistribute(placements=(Replicate(),)), *rest)
     if isinstance(first, torch.Tensor):
-        return (_PartialGradReplicate.apply(first, mesh), *rest)
+        return (_PartialGradReplicate.apply(first, mesh), *rest)  # type: ignore[no-untyped-call]
     return inputs
 
 

@@ -22,7 +22,8 @@ IGNORE_INDEX = -100
 
 
 def parallelize_vocab_embedding(module: nn.Module, mesh: DeviceMesh) -> None:
-    """Split the token table of `module` by rows over the 1-D `mesh`; ids in, `Shard(1)` activations out.
+    """Split the token table of `module` by rows over the 1-D `mesh`; `(batch, seq)` ids in (`seq` divisible by the
+    mesh size), `Shard(1)` activations out.
 
     Each rank looks up the ids of its row range (zeros elsewhere) and the partial sums are reduce-scattered along
     the sequence. `module` computes `embedding(ids, weight)` from its one parameter named `weight` (wrappers
@@ -45,8 +46,13 @@ def parallelize_vocab_embedding(module: nn.Module, mesh: DeviceMesh) -> None:
             distributed = distribute_tensor(param, sub_mesh, [placement], src_data_rank=None)
             sub.register_parameter(name, nn.Parameter(distributed, requires_grad=param.requires_grad))
 
-    def ids_in(_module: nn.Module, inputs: tuple[Any, ...], sub_mesh: DeviceMesh) -> tuple[Any, ...]:
+    def ids_in(_module: nn.Module, inputs: tuple[Any, ...], sub_mesh: DeviceMesh) -> Any:  # torch types it None
         ids = inputs[0]
+        if isinstance(ids, torch.Tensor) and ids.ndim >= 2 and ids.shape[1] % sub_mesh.size() != 0:
+            raise ValueError(
+                f"sequence length {ids.shape[1]} is not divisible by tp={sub_mesh.size()}: sequence parallelism "
+                f"splits every sequence evenly over the tp ranks; pad or pack to a multiple of {sub_mesh.size()}."
+            )
         if isinstance(ids, torch.Tensor) and not isinstance(ids, DTensor):
             ids = DTensor.from_local(ids, sub_mesh, (Replicate(),), run_check=False)
         return (ids, *inputs[1:])
