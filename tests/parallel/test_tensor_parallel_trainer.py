@@ -23,8 +23,10 @@ from torch.utils._pytree import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "core" / "loop"))  # the Trainer workload of the loop tests
 from loop_workload import (
+    BIAS_RATE,
     SEQ,
     VOCAB,
+    MoeBiasBalancer,
     build_tiny,
     build_tiny_trainer,
     lr_provider,
@@ -56,12 +58,15 @@ def _reference(family: str) -> tuple[list[float], list[float], dict[str, torch.T
     materialize_(model, "cpu")
     optimizer = optimizer_provider(model)
     scheduler = lr_provider(optimizer, STEPS)
+    balancer = MoeBiasBalancer(model, BIAS_RATE) if family == "moe_bias" else None
     losses, norms = [], []
     for step in range(STEPS):
         batch = synthetic_global_batch(seed=5, step=step, rows=8, seq_len=SEQ, vocab_size=VOCAB, ignore_fraction=0.3)
         optimizer.zero_grad(set_to_none=True)
         loss = model(batch.input_ids, labels=batch.labels).losses.sum() / (batch.labels != -100).sum()
         loss.backward()
+        if balancer is not None:
+            balancer.apply(balancer.local_loads())
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)))
         optimizer.step()
         scheduler.step()
@@ -97,6 +102,12 @@ def _check(family: str, degrees: MeshDegrees, parallel: str) -> None:
     assert recorder.seen == 0, f"rank {ctx.rank} produced {recorder.seen} tensors with a full-vocabulary last dim"
 
     model = trainer.parts.model
+    if family == "moe_bias":
+        biases = torch.cat([m.expert_bias for m in model.modules() if hasattr(m, "expert_bias")])
+        assert biases.abs().sum() > 0
+        gathered = [torch.empty_like(biases) for _ in range(ctx.world_size)]
+        dist.all_gather(gathered, biases)
+        assert all(torch.equal(other, biases) for other in gathered)
     tp_mesh = ctx.mesh_for("dense")["tp"]
     split = 0
     for name, param in model.named_parameters():
@@ -128,9 +139,11 @@ def _check(family: str, degrees: MeshDegrees, parallel: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["dense", "moe"])
+@pytest.mark.parametrize("family", ["dense", "moe", "moe_bias"])
 @pytest.mark.distributed(world_size=4, timeout=600)
 def test_tp2_dp2_trainer_matches_single_process_whole_batch(family):
+    """`moe_bias`: sigmoid routing whose balancing bias moves every step from the expert loads; each tp rank routes
+    its sequence shard, so loads are summed over tp as well, and the biases stay identical on every rank."""
     _check(family, MeshDegrees(dp_shard=2, tp=2), "fsdp")
 
 
@@ -140,3 +153,21 @@ def test_tp2_dp2_trainer_matches_single_process_whole_batch(family):
 def test_hsdp_with_tp_trainer_matches_single_process_whole_batch(family):
     """dp_replicate=2 x tp=2 under HSDP (shard size 1): the replicate dimension composes with tp as well."""
     _check(family, MeshDegrees(dp_replicate=2, tp=2), "hsdp")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed(world_size=4, timeout=600)
+def test_moe_z_loss_under_tp_equals_one_big_batch():
+    """Each tp rank's router z-loss is the mean over its sequence shard and counts for 1/tp: their sum is the z-loss
+    of the whole micro-batch, so tp2 x dp_shard2 equals one process on the whole batch (the setup and tolerance of
+    tests/core/loop/test_moe_aux_loss_parity.py), and the logged auxiliary loss sums the tp shards' parts."""
+    from test_moe_aux_loss_parity import COEFFICIENTS, TOLERANCE, _reference_losses, _trainer_losses, _worst
+
+    ctx = DistributedContext.build(MeshDegrees(dp_shard=2, tp=2), device="cpu")
+    losses, aux = _trainer_losses(ctx, COEFFICIENTS["z_only"])
+    if ctx.rank == 0:
+        reference, reference_aux = _reference_losses(COEFFICIENTS["z_only"], chunks=1, weight=1.0)
+        print(f"z-loss under tp: loss {_worst(losses, reference):.2e}, aux {_worst(aux, reference_aux):.2e}")
+        assert _worst(losses, reference) <= TOLERANCE, (losses, reference)
+        assert _worst(aux, reference_aux) <= TOLERANCE, (aux, reference_aux)
+    dist.barrier()

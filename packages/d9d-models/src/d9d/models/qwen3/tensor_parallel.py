@@ -129,6 +129,8 @@ def apply_qwen3_tensor_parallel(
             _STYLES[style](module, mesh)
             if style is TpStyle.LOCAL_REGION:
                 local_regions.append(module)
+                if hasattr(module, "token_shard_group"):  # an MoE block: loads and aux losses span the tp shards
+                    module.token_shard_group = mesh.get_group()
     _check_covered(model, local_regions)
     if config.async_tp:
         enable_async_tp(mesh)
