@@ -11,7 +11,9 @@ import enum
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -65,6 +67,13 @@ _STYLES: dict[TpStyle, Callable[[nn.Module, DeviceMesh], None]] = {
     TpStyle.VOCAB_EMBEDDING: parallelize_vocab_embedding,
     TpStyle.VOCAB_HEAD: parallelize_vocab_head,
 }
+
+
+@runtime_checkable
+class TokenSharded(Protocol):
+    """A block that sums statistics over the ranks holding the other shards of its tokens (`MoELayer`)."""
+
+    token_shard_group: dist.ProcessGroup | None
 
 
 @dataclass(frozen=True)
@@ -129,7 +138,7 @@ def apply_qwen3_tensor_parallel(
             _STYLES[style](module, mesh)
             if style is TpStyle.LOCAL_REGION:
                 local_regions.append(module)
-                if hasattr(module, "token_shard_group"):  # an MoE block: loads and aux losses span the tp shards
+                if isinstance(module, TokenSharded):  # an MoE block: loads and aux losses span the tp shards
                     module.token_shard_group = mesh.get_group()
     _check_covered(model, local_regions)
     if config.async_tp:
