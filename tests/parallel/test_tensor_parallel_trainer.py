@@ -171,3 +171,10 @@ def test_moe_z_loss_under_tp_equals_one_big_batch():
         assert _worst(losses, reference) <= TOLERANCE, (losses, reference)
         assert _worst(aux, reference_aux) <= TOLERANCE, (aux, reference_aux)
     dist.barrier()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed(world_size=8, timeout=900)
+def test_dp_replicate_x_dp_shard_x_tp_on_8_ranks_matches_single_process():
+    """The full dense mesh, dp_replicate=2 x dp_shard=2 x tp=2 under HSDP: 8 rows, one per data rank and step."""
+    _check("dense", MeshDegrees(dp_replicate=2, dp_shard=2, tp=2), "hsdp")
