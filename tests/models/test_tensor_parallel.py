@@ -10,6 +10,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 from tiny import DENSE_HF, EAGER, MOE_HF, VOCAB, d9d_from_hf, hf_dense, hf_moe, map_tensors
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from d9d.core.dist import DistributedContext, MeshDegrees
 from d9d.core.loop import Inference, LossResult, SyntheticTokenSource, TokenBatch
@@ -46,6 +47,9 @@ def test_degree_check_names_each_dimension_and_the_valid_degrees():
         check_qwen3_tp_degrees(params, 4)  # more tp ranks than key/value heads: refused, not replicated
     with pytest.raises(ValueError, match=r"tp=3 .*num_attention_heads=4, num_key_value_heads=2, intermediate_size=80"):
         check_qwen3_tp_degrees(params, 3)
+    check_qwen3_tp_degrees(params, 2, seq_len=4096)
+    with pytest.raises(ValueError, match=r"tp=2 .*seq_len=4097.*valid tp degrees: \[1\]"):
+        check_qwen3_tp_degrees(params, 2, seq_len=4097)  # sequence parallelism splits every sequence evenly
     segmented = params.model_copy(update={"vocab_segments": {"regular": 90, "special": 6}})
     with pytest.raises(ValueError, match="several segments"):
         check_qwen3_tp_degrees(segmented, 2)
@@ -72,6 +76,21 @@ class _CausalLM:
 
     def count_bytes(self, batch: TokenBatch) -> int:
         return 4 * self.count_tokens(batch)
+
+
+def _saved_bytes(model: nn.Module, ids: torch.Tensor) -> int:
+    """Bytes of the tensors autograd saves for backward in one training forward (local shards of DTensors)."""
+    total = 0
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        total += local.numel() * local.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(ids, labels=ids).losses.sum()
+    return total
 
 
 def _source(dp_rank: int, dp_size: int) -> SyntheticTokenSource:
@@ -113,6 +132,17 @@ def test_tp_model_imports_exports_and_evaluates_like_the_single_process_one(fami
     reference, _ = d9d_from_hf(hf)
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, reference(ids).logits, **FP32)
+
+    # Sequence parallelism: between blocks each rank holds half the sequence, and the activations saved for
+    # backward (per rank, same batch) shrink accordingly.
+    between = []
+    hook = model.model.layers["0"].register_forward_hook(lambda _m, _a, out: between.append(out))
+    tp_saved, single_saved = _saved_bytes(model, ids), _saved_bytes(reference, ids)
+    hook.remove()
+    assert between[0].placements == (Shard(1),) and between[0].to_local().shape[1] == 8 // 2
+    if dist.get_rank() == 0:
+        print(f"{family}: saved activations per rank {tp_saved} B under tp2, {single_saved} B in one process")
+    assert tp_saved < 0.8 * single_saved
 
     # the Inference loop: tp ranks share their dp rank's rows; the result is global
     dp = ctx.coordinate("batch")["dp"]

@@ -150,9 +150,9 @@ def expert_units_mesh(dense_mesh: DeviceMesh) -> DeviceMesh:
     return fold_tp_into_shard(dense_mesh)
 
 
-def check_qwen3_tp_degrees(params: Qwen3DenseParameters, tp: int) -> None:
-    """Fail unless every split dimension of the model divides by `tp`; the stage preflight calls this before any
-    rank starts.
+def check_qwen3_tp_degrees(params: Qwen3DenseParameters, tp: int, *, seq_len: int | None = None) -> None:
+    """Fail unless every split dimension of the model (and `seq_len`, when given: sequence parallelism splits it)
+    divides by `tp`; the stage preflight calls this before any rank starts.
 
     Raises:
         ValueError: naming each dimension that does not divide and the `tp` degrees that would be valid.
@@ -168,12 +168,13 @@ def check_qwen3_tp_degrees(params: Qwen3DenseParameters, tp: int) -> None:
         not params.is_moe_layer(index) for index in range(params.num_layers)
     ):
         dims["intermediate_size"] = params.intermediate_size
-    bad = {name: size for name, size in dims.items() if size % tp != 0}
+    checked = dims if seq_len is None else {**dims, "seq_len": seq_len}
+    bad = {name: size for name, size in checked.items() if size % tp != 0}
     problems = [f"{name}={size}" for name, size in bad.items()]
     if len(params.segments()) > 1:
         problems.append(f"vocab_segments={params.segments()} (several segments; tp needs one)")
     if problems:
-        common = math.gcd(*dims.values())
+        common = math.gcd(*checked.values())
         valid = [degree for degree in range(1, common + 1) if common % degree == 0]
         raise ValueError(
             f"tp={tp} does not fit the model: {', '.join(problems)} must be divisible by tp "
