@@ -5,6 +5,9 @@ class), so a wrapper that keeps the base layer's `weight`/`bias` and adds its ow
 `lora_B`) is split consistently: the product `x A^T B^T` then needs exactly the collectives of the base layer. The
 math of every split op is DTensor's; the hooks only convert the inputs and outputs at the region's edges.
 
+Parameters are split without communication (`src_data_rank=None`): apply the styles to a model built on the meta
+device (the d9d life cycle), or to one every rank initialised identically.
+
 Between blocks the activations are `Shard(1)` DTensors (sequence parallel): a region all-gathers its input along
 the sequence (`prepare_region_input`), runs column-parallel linears on local tensors, and a row-parallel linear
 reduce-scatters its partial output back to `Shard(1)`.
