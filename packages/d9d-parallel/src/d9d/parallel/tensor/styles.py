@@ -154,9 +154,11 @@ class _PartialGradReplicate(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: DTensor) -> tuple[torch.Tensor, None]:
-        if not all(isinstance(placement, Partial) for placement in grad.placements):
-            grad = grad.redistribute(placements=(Partial(),))
-        return grad.to_local(), None
+        if isinstance(grad.placements[0], Partial):
+            return grad.to_local(), None
+        # Already summed (a compiled backward may reduce it itself): every rank's equal share of the sum.
+        full = grad.redistribute(placements=(Replicate(),)).to_local()
+        return full / grad.device_mesh.size(), None
 
 
 def _normalized(placement: Placement, ndim: int) -> Placement:
