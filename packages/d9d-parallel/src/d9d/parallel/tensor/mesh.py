@@ -16,5 +16,7 @@ def fold_tp_into_shard(dense_mesh: DeviceMesh, *, shard_dim: str = "dp_cp_shard"
     if missing:
         raise ValueError(f"the mesh lacks dimensions {missing}; it has {names} (pass ctx.mesh_for('dense'))")
     flat_name = f"{shard_dim}_{tp_dim}"
-    dense_mesh[shard_dim, tp_dim]._flatten(flat_name)  # registers the flattened dimension on the root mesh
+    flat = dense_mesh[shard_dim, tp_dim]._flatten(flat_name)  # private but what FSDP+EP users rely on
+    if hasattr(DeviceMesh, "_concatenate"):  # torch >= 2.12: slicing a flattened dimension from the root is deprecated
+        return DeviceMesh._concatenate([dense_mesh["dp_replicate"], flat])
     return dense_mesh["dp_replicate", flat_name]
