@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 from d9d.kernels.grouped_mm.api import check_grouped
+from d9d.kernels.grouped_mm.eager import EagerGroupedMm
+from d9d.kernels.triton_support import any_dtensor
 
 
 class TritonGroupedMm:
@@ -23,4 +25,6 @@ class TritonGroupedMm:
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
         check_grouped(x, weight, group_sizes)
+        if any_dtensor(x, weight):
+            return EagerGroupedMm()(x, weight, group_sizes)
         return self._ops.grouped_mm(x, weight, group_sizes)

@@ -9,6 +9,7 @@ import torch
 from d9d.kernels.linear_cross_entropy.chunks import LogitStats, logit_gradients, logit_stats, losses_from_stats
 from d9d.kernels.linear_cross_entropy.reference import TorchChunkMath
 from d9d.kernels.split_backward import wanted_backward_halves
+from d9d.kernels.triton_support import any_dtensor
 
 
 class LinearCrossEntropyKernel(Protocol):
@@ -88,6 +89,8 @@ class TritonLinearCrossEntropy:
     def __call__(
         self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, chunk_size: int = 2048
     ) -> torch.Tensor:
+        if any_dtensor(hidden, weight):
+            return EagerLinearCrossEntropy()(hidden, weight, labels, chunk_size=chunk_size)
         flat_hidden, flat_labels = flatten_tokens(hidden, labels, chunk_size)
         losses = self._ops.fused_linear_cross_entropy(
             flat_hidden.contiguous(), weight, flat_labels.contiguous(), chunk_size=chunk_size

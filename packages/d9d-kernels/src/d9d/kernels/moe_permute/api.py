@@ -13,6 +13,8 @@ from typing import Protocol
 
 import torch
 
+from d9d.kernels.triton_support import any_dtensor
+
 
 def sort_by_expert(expert_indices: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`(order, inverse, group_sizes)` for `(T, k)` expert indices; `group_sizes` by a scatter-add (`bincount`
@@ -69,7 +71,11 @@ class TritonMoePermute:
         self._ops = ops
 
     def permute(self, x: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
+        if any_dtensor(x):
+            return EagerMoePermute().permute(x, order, top_k)
         return self._ops.permute(x, order, top_k)
 
     def unpermute(self, rows: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if any_dtensor(rows, weights):
+            return EagerMoePermute().unpermute(rows, inverse, weights)
         return self._ops.unpermute(rows, inverse, weights)

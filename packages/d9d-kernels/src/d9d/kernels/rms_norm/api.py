@@ -7,6 +7,7 @@ from typing import Protocol
 import torch
 
 from d9d.kernels.rms_norm.reference import rms_norm_reference
+from d9d.kernels.triton_support import any_dtensor
 
 
 class RmsNormKernel(Protocol):
@@ -47,4 +48,6 @@ class TritonRmsNorm:
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, *, eps: float, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if any_dtensor(x, weight, residual):
+            return rms_norm_reference(x, weight, eps=eps, residual=residual)
         return self._ops.rms_norm(x, weight, eps=eps, residual=residual)

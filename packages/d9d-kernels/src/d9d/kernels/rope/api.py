@@ -12,6 +12,8 @@ from typing import Protocol
 
 import torch
 
+from d9d.kernels.triton_support import any_dtensor
+
 
 class RopeKernel(Protocol):
     """`(rotate(q), rotate(k))`, differentiable in `q` and `k`."""
@@ -82,6 +84,6 @@ class TritonRope:
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         check_rope(q, k, cos, sin)
-        if interleaved:
-            return EagerRope()(q, k, cos, sin, interleaved=True)
+        if interleaved or any_dtensor(q, k, cos, sin):
+            return EagerRope()(q, k, cos, sin, interleaved=interleaved)
         return self._ops.rope(q, k, cos, sin)

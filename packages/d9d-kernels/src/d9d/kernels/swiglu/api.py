@@ -7,6 +7,8 @@ from typing import Protocol
 import torch
 from torch.nn import functional
 
+from d9d.kernels.triton_support import any_dtensor
+
 
 class SwiGluKernel(Protocol):
     """`silu(gate) * up`, differentiable in both."""
@@ -42,4 +44,6 @@ class TritonSwiGlu:
         self._ops = ops
 
     def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if any_dtensor(gate, up):
+            return swiglu_reference(gate, up)
         return self._ops.swiglu(gate, up)

@@ -6,6 +6,7 @@ the CPU tests use that at small sizes.
 """
 
 from d9d.kernels.triton_support.runtime import (
+    any_dtensor,
     check_triton_device,
     import_triton,
     interpreting,
@@ -13,4 +14,11 @@ from d9d.kernels.triton_support.runtime import (
     reduction_programs,
 )
 
-__all__ = ["check_triton_device", "import_triton", "interpreting", "next_power_of_2", "reduction_programs"]
+__all__ = [
+    "any_dtensor",
+    "check_triton_device",
+    "import_triton",
+    "interpreting",
+    "next_power_of_2",
+    "reduction_programs",
+]

@@ -38,6 +38,14 @@ def check_triton_device(*tensors: torch.Tensor) -> None:
         )
 
 
+def any_dtensor(*tensors: torch.Tensor | None) -> bool:
+    """True if any tensor is a DTensor: the custom ops take plain tensors (no sharding rules yet), so a block running
+    on tensor-parallel DTensors uses the eager reference, which DTensor dispatches op by op."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(tensor, DTensor) for tensor in tensors)
+
+
 def next_power_of_2(value: int) -> int:
     """Triton block sizes are powers of two: the smallest one at least `value` (1 for 0)."""
     return 1 if value <= 1 else 1 << (value - 1).bit_length()
