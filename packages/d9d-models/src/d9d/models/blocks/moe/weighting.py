@@ -12,7 +12,7 @@ class AuxLossWeights:
     """Sets `aux_loss_weight` on every MoE layer of a model that has an auxiliary-loss coefficient.
 
     Satisfies d9d-core's `AuxLossWeighting`: the Trainer calls `set_weight(1 / (micro-batches x data-parallel
-    ranks))` before each step, so the auxiliary loss that reaches backward is the mean of the micro-batches' values,
+    ranks x context-parallel ranks))` before each step, so the auxiliary loss that reaches backward is the mean of the micro-batches' values,
     and after it sums `take_weighted_sum()` over the ranks: the step's auxiliary loss, logged as `aux_loss`.
     """
 
