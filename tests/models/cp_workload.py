@@ -178,7 +178,11 @@ def build_cp_trainer(
         microbatch_rows=microbatch_rows,
         max_grad_norm=MAX_NORM,
         seed=SEED,
-        checkpointing=CheckpointingConfig(directory=checkpoint_dir, every_steps=checkpoint_every) if checkpoint_dir is not None else None,
+        checkpointing=(
+            CheckpointingConfig(directory=checkpoint_dir, every_steps=checkpoint_every)
+            if checkpoint_dir is not None
+            else None
+        ),
     )
     return build_trainer(
         ctx,

@@ -17,7 +17,6 @@ The layout-change resume trains 5 steps under cp=2 x dp_shard=2, checkpoints, an
 import shutil
 
 import pytest
-import torch
 import torch.distributed as dist
 from cp_workload import build_cp_trainer, train_distributed, train_reference
 

@@ -110,7 +110,7 @@ def test_eager_block_kernel_gradients_match_autograd():
     documents = torch.tensor([[0, 0, 1, 1, 1, 2], [0, 0, 0, 0, 1, 1]])
     mask = BlockMask(causal=True, allowed=documents[:, :, None] == documents[:, None, :])
     out, lse = eager_block_forward(q, k, v, scale=0.3, mask=mask)
-    dq, dk, dv = eager_block_backward(grad.float(), q, k, v, out, lse, scale=0.3, mask=mask)
+    dq, dk, dv = eager_block_backward(grad.float(), q, k, v, out=out, lse=lse, scale=0.3, mask=mask)
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     expected = reference_attention(*full, documents, 0.3)
     expected.backward(grad)

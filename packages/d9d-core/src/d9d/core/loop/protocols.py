@@ -43,8 +43,8 @@ class ModelLoader(Protocol):
 
 
 class ExpertLoadBalancer(Protocol):
-    """Auxiliary-loss-free MoE balancing: the loop sums each layer's expert loads over data- and context-parallel ranks after
-    backward and hands them back, so every rank applies the same bias update."""
+    """Auxiliary-loss-free MoE balancing: the loop sums each layer's expert loads over data- and context-parallel
+    ranks after backward and hands them back, so every rank applies the same bias update."""
 
     def local_loads(self) -> dict[str, torch.Tensor]:
         """Tokens routed to each expert on this rank since the last `apply`, by MoE layer name (float32, 1-D)."""

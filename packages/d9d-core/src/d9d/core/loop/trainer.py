@@ -1,10 +1,10 @@
 """The `Trainer`: one optimizer step per iteration over injected parts, with events, checkpoints and resume.
 
 Per step: the data source gives this rank's micro-batches; their counted tokens are summed over every rank that holds
-different tokens (data-parallel times context-parallel ranks) *before* forward; each micro-batch's summed loss is scaled by one over that global count and backpropagated, so
-the summed (never averaged) data-parallel gradients equal one big batch's exactly. Then gradient sync, clipping,
-optimizer and LR step, logging, validation, checkpoint. SIGTERM on any rank makes every rank finish the step,
-checkpoint and return.
+different tokens (data-parallel times context-parallel ranks) *before* forward; each micro-batch's summed loss is
+scaled by one over that global count and backpropagated, so the summed (never averaged) data-parallel gradients equal
+one big batch's exactly. Then gradient sync, clipping, optimizer and LR step, logging, validation, checkpoint. SIGTERM
+on any rank makes every rank finish the step, checkpoint and return.
 """
 
 from __future__ import annotations
@@ -287,7 +287,8 @@ class Trainer(Generic[TBatch]):
         return loss
 
     def _balance_experts(self) -> dict[str, float]:
-        """Sum expert loads over data- and context-parallel ranks, update the routing biases; returns max/mean load per layer."""
+        """Sum expert loads over data- and context-parallel ranks, update the routing biases; returns max/mean load
+        per layer."""
         balancer = self.parts.load_balancer
         if balancer is None:
             return {}

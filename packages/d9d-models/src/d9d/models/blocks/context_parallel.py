@@ -7,17 +7,25 @@ forward pass (cached on the mask) so that every block pair masks other documents
 
 from __future__ import annotations
 
+from typing import Protocol, cast
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from d9d.core.dist import DistributedContext
 from d9d.core.dist.domains import MeshDomain
-from d9d.kernels.attention import AttentionMask
+from d9d.kernels.attention import AttentionBackend, AttentionMask
 from d9d.models.blocks.decoder import DecoderBackbone
 from d9d.models.roles import Role
 from d9d.parallel import ByRole, select_modules
 from d9d.parallel.context import ContextAttention, ContextParallelConfig, build_context_attention
+
+
+class HoldsAttentionBackend(Protocol):
+    """What a module with the attention role offers: its backend may be swapped (`GroupedQueryAttention`)."""
+
+    backend: AttentionBackend
 
 
 class ContextParallelAttention:
@@ -57,7 +65,7 @@ def parallelize_context(model: nn.Module, ctx: DistributedContext, config: Conte
         return
     backend = ContextParallelAttention(ctx.mesh_for(MeshDomain.BATCH)["cp"].get_group(), config)
     for _name, attention in select_modules(model, [ByRole(str(Role.ATTENTION))]):
-        attention.backend = backend
+        cast(HoldsAttentionBackend, attention).backend = backend
     for module in model.modules():
         if isinstance(module, DecoderBackbone):
             module.sequence_sharded = True

@@ -35,7 +35,9 @@ def shard_batch_for_context(batch: Mapping[str, Any], rank: int, cp: int) -> dic
     non-tensors) pass through unchanged.
     """
     if SEQUENCE_KEY not in batch:
-        raise ValueError(f"a context-parallel batch needs '{SEQUENCE_KEY}' to fix the sequence length; got keys {sorted(batch)}")
+        raise ValueError(
+            f"a context-parallel batch needs '{SEQUENCE_KEY}' to fix the sequence length; got keys {sorted(batch)}"
+        )
     tokens = batch[SEQUENCE_KEY]
     rows, seq = tokens.shape[:2]
     check_divisible(seq, cp)

@@ -85,9 +85,9 @@ def eager_block_backward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    *,
     out: torch.Tensor,
     lse: torch.Tensor,
-    *,
     scale: float,
     mask: BlockMask,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -123,7 +123,13 @@ def flash_block_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, mask: BlockMask
 ) -> tuple[torch.Tensor, torch.Tensor]:
     result = torch.ops.aten._scaled_dot_product_flash_attention(
-        q.transpose(1, 2), _expand_kv(q, k), _expand_kv(q, v), 0.0, mask.causal, False, scale=scale
+        q.transpose(1, 2),
+        _expand_kv(q, k),
+        _expand_kv(q, v),
+        dropout_p=0.0,
+        is_causal=mask.causal,
+        return_debug_mask=False,
+        scale=scale,
     )
     out, lse = result[0], result[1]
     return out.transpose(1, 2).float(), lse.transpose(1, 2).float()
@@ -134,9 +140,9 @@ def flash_block_backward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    *,
     out: torch.Tensor,
     lse: torch.Tensor,
-    *,
     scale: float,
     mask: BlockMask,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -183,15 +189,15 @@ def block_backward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    *,
     out: torch.Tensor,
     lse: torch.Tensor,
-    *,
     scale: float,
     mask: BlockMask,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if flash_applies(q, mask):
-        return flash_block_backward(grad_out, q, k, v, out, lse, scale=scale, mask=mask)
-    return eager_block_backward(grad_out, q, k, v, out, lse, scale=scale, mask=mask)
+        return flash_block_backward(grad_out, q, k, v, out=out, lse=lse, scale=scale, mask=mask)
+    return eager_block_backward(grad_out, q, k, v, out=out, lse=lse, scale=scale, mask=mask)
 
 
 def merge_into(

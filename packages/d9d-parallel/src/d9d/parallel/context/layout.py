@@ -16,9 +16,10 @@ def check_divisible(seq_len: int, cp: int) -> None:
         raise ValueError(f"cp must be at least 1, got cp={cp}")
     if seq_len % (2 * cp) != 0:
         valid = 2 * cp
+        below, above = seq_len - seq_len % valid, seq_len - seq_len % valid + valid
         raise ValueError(
             f"sequence length {seq_len} cannot be split over cp={cp} ranks: the load-balanced layout needs a "
-            f"multiple of 2*cp={valid} (e.g. {seq_len - seq_len % valid or valid} or {seq_len + valid - seq_len % valid})"
+            f"multiple of 2*cp={valid} (e.g. {below or valid} or {above})"
         )
 
 

@@ -35,9 +35,7 @@ def block_pair(rank: int, src: int, local_len: int) -> tuple[slice, slice, bool]
     return slice(half, None), slice(None), False
 
 
-def _mask(
-    documents: torch.Tensor | None, rank: int, src: int, query: slice, key: slice, causal: bool
-) -> BlockMask:
+def _mask(documents: torch.Tensor | None, *, rank: int, src: int, query: slice, key: slice, causal: bool) -> BlockMask:
     if documents is None:
         return BlockMask(causal=causal)
     same = documents[rank][:, query, None] == documents[src][:, None, key]
@@ -46,7 +44,7 @@ def _mask(
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(
+    def forward(  # noqa: PLR0917 - autograd.Function.apply passes positional arguments only
         ctx: Any,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -64,9 +62,8 @@ class _RingAttention(torch.autograd.Function):
             pending = ring.start(kv) if step < size - 1 else None  # the next block moves while this one computes
             src = (rank - step) % size
             query, key, causal = block_pair(rank, src, q.shape[1])
-            block_out, block_lse = block_forward(
-                q[:, query], kv[0][:, key], kv[1][:, key], scale=scale, mask=_mask(documents, rank, src, query, key, causal)
-            )
+            mask = _mask(documents, rank=rank, src=src, query=query, key=key, causal=causal)
+            block_out, block_lse = block_forward(q[:, query], kv[0][:, key], kv[1][:, key], scale=scale, mask=mask)
             out[:, query], lse[:, query] = merge_into(out[:, query], lse[:, query], block_out, block_lse)
             if pending is not None:
                 finish(pending[1])
@@ -94,10 +91,10 @@ class _RingAttention(torch.autograd.Function):
                 q[:, query],
                 kv[0][:, key],
                 kv[1][:, key],
-                out[:, query],
-                lse[:, query],
+                out=out[:, query],
+                lse=lse[:, query],
                 scale=ctx.scale,
-                mask=_mask(documents, rank, src, query, key, causal),
+                mask=_mask(documents, rank=rank, src=src, query=query, key=key, causal=causal),
             )
             grad_q[:, query] += dq
             grad_kv[0][:, key] += dk
