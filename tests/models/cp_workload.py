@@ -7,7 +7,7 @@ random lengths (crossing chunk and rank boundaries), labels shifted within each 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -151,9 +151,12 @@ def data_provider_for(global_rows: int, microbatch_rows: int) -> Any:
 class CpModelProvider:
     family: str
     context: ContextParallelConfig
+    prepare: Callable[[nn.Module], object] | None = None  # e.g. LoRA injection, on the meta model
 
     def __call__(self, ctx: DistributedContext, loader: ModelLoader | None) -> BuiltModel:
         model = build_tiny(self.family)
+        if self.prepare is not None:
+            self.prepare(model)
         parallelize = parallelize_qwen3_dense if self.family == "dense" else parallelize_qwen3_moe
         sync = parallelize(model, ctx, FsdpConfig(), context=self.context)
         materialize_(model, ctx.device)
@@ -171,6 +174,7 @@ def build_cp_trainer(
     events: EventBus | None = None,
     checkpoint_dir: Path | None = None,
     checkpoint_every: int | None = None,
+    prepare: Callable[[nn.Module], object] | None = None,
 ) -> Trainer[Any]:
     config = TrainerConfig(
         total_steps=total_steps,
@@ -187,7 +191,7 @@ def build_cp_trainer(
     return build_trainer(
         ctx,
         config,
-        model_provider=CpModelProvider(family, ContextParallelConfig(attention=attention)),  # type: ignore[arg-type]
+        model_provider=CpModelProvider(family, ContextParallelConfig(attention=attention), prepare),  # type: ignore[arg-type]
         task=PackedTask(),
         data_provider=data_provider_for(global_rows, microbatch_rows),
         optimizer_provider=lambda model: build_optimizer(OPTIMIZER, model.parameters()),
@@ -202,17 +206,32 @@ class Run:
     losses: list[float]
     grad_norms: list[float]
     params: dict[str, torch.Tensor]
+    model: nn.Module
 
 
-def train_distributed(ctx: DistributedContext, family: str, steps: int, global_rows: int, attention: str) -> Run:
+def train_distributed(
+    ctx: DistributedContext,
+    family: str,
+    steps: int,
+    global_rows: int,
+    attention: str,
+    prepare: Callable[[nn.Module], object] | None = None,
+) -> Run:
     events = EventBus()
     norms: list[float] = []
     events.subscribe(OptimizerStepped, lambda event: norms.append(event.grad_norm))
     trainer = build_cp_trainer(
-        ctx, family=family, total_steps=steps, global_rows=global_rows, attention=attention, events=events
+        ctx,
+        family=family,
+        total_steps=steps,
+        global_rows=global_rows,
+        attention=attention,
+        events=events,
+        prepare=prepare,
     )
     result = trainer.train()
-    return Run([result.losses[s] for s in range(1, steps + 1)], norms, full_parameters(trainer.parts.model))
+    model = trainer.parts.model
+    return Run([result.losses[s] for s in range(1, steps + 1)], norms, full_parameters(model), model)
 
 
 def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -222,11 +241,20 @@ def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-def train_reference(family: str, steps: int, global_rows: int, *, aux_weight: float = 1.0) -> Run:
+def train_reference(
+    family: str,
+    steps: int,
+    global_rows: int,
+    *,
+    aux_weight: float = 1.0,
+    prepare: Callable[[nn.Module], object] | None = None,
+) -> Run:
     """One process, the whole global batch per step, plain full attention (positions from the document ids).
 
     `aux_weight` scales the MoE auxiliary losses (1: one forward over the whole batch is the step's)."""
     model = build_tiny(family)
+    if prepare is not None:
+        prepare(model)
     seed_everything(SEED)
     materialize_(model, "cpu")
     weights = aux_loss_weights(model)
@@ -245,4 +273,4 @@ def train_reference(family: str, steps: int, global_rows: int, *, aux_weight: fl
         optimizer.step()
         scheduler.step()
         losses.append(float(loss.detach()))
-    return Run(losses, norms, full_parameters(model))
+    return Run(losses, norms, full_parameters(model), model)
