@@ -15,6 +15,7 @@ from cp_workload import (
     DENSE_HF,
     VOCAB,
     PackedTask,
+    build_tiny,
     data_provider_for,
     packed_global_batch,
     train_distributed,
@@ -24,7 +25,10 @@ from safetensors.torch import load_file
 
 from d9d.core.dist import DistributedContext, MeshDegrees
 from d9d.core.loop import Inference
-from d9d.models.qwen3 import mapper_to_huggingface_qwen3_dense, qwen3_dense_parameters_from_hf
+from d9d.models import materialize_
+from d9d.models.qwen3 import mapper_to_huggingface_qwen3_dense, parallelize_qwen3_dense, qwen3_dense_parameters_from_hf
+from d9d.parallel import FsdpConfig
+from d9d.parallel.context import ContextParallelConfig
 from d9d.peft import (
     LoRAConfig,
     LoRAParameters,
@@ -96,3 +100,16 @@ def test_lora_inference_and_hf_export_under_cp2_dp2_equal_one_process(tmp_path):
         assert exported["model.embed_tokens.weight"].shape[0] == VOCAB
         print(f"LoRA x cp: max loss diff {worst:.2e}; inference {abs(evaluation.loss - expected_evaluation):.2e}")
     dist.barrier()
+
+
+@pytest.mark.distributed(world_size=2, timeout=120)
+def test_a_sequence_sharded_model_refuses_batches_without_global_positions():
+    ctx = DistributedContext.build(MeshDegrees(cp=2), device="cpu")
+    model = build_tiny("dense")
+    parallelize_qwen3_dense(model, ctx, FsdpConfig(), context=ContextParallelConfig(attention="all_gather"))
+    materialize_(model, ctx.device)
+    assert {type(module.backend).__name__ for module in model.modules() if hasattr(module, "backend")} == {
+        "ContextParallelAttention"
+    }
+    with pytest.raises(ValueError, match="must carry position_ids"):
+        model(torch.zeros(1, 4, dtype=torch.long))
