@@ -59,6 +59,19 @@ def test_cp2_dp2_training_equals_one_process(family, attention):
 
 
 @pytest.mark.distributed(world_size=4, timeout=400)
+def test_cp4_training_equals_one_process():
+    """Every rank one cp shard (4 micro-batches each): the layout's 8 chunks, the ring's 4 steps."""
+    ctx = DistributedContext.build(MeshDegrees(cp=4), device="cpu")
+    run = train_distributed(ctx, "dense", STEPS, GLOBAL_ROWS, "ring")
+    if ctx.rank == 0:
+        worst = _compare(run, train_reference("dense", STEPS, GLOBAL_ROWS))
+        print(f"dense/ring cp=4: {worst}")
+        assert worst["loss"] <= LOSS_TOLERANCE and worst["params"] <= PARAM_TOLERANCE, worst
+        assert worst["grad_norm_rel"] <= NORM_TOLERANCE, worst
+    dist.barrier()
+
+
+@pytest.mark.distributed(world_size=4, timeout=400)
 def test_checkpoint_written_under_cp2_dp2_resumes_on_dp4_with_the_same_global_batch(tmp_path):
     first = DistributedContext.build(MeshDegrees(dp_shard=2, cp=2), device="cpu")
     build_cp_trainer(
