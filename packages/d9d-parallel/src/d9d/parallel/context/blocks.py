@@ -14,6 +14,7 @@ log-sum-exp and its backward takes the final one).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -25,6 +26,18 @@ class BlockMask:
 
     causal: bool = False
     allowed: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class FlashAux:
+    """What the flash backward op needs from a forward besides out/lse: its (undefined, for dense inputs) varlen
+    offsets and (unused without dropout) RNG state, exactly as the forward op returned them. An empty but defined
+    offsets tensor would switch the backward to the variable-length kernel."""
+
+    cum_seq_q: Any
+    cum_seq_k: Any
+    philox_seed: Any
+    philox_offset: Any
 
 
 def _grouped(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,7 +134,7 @@ def _expand_kv(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
 
 def flash_block_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, mask: BlockMask
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, FlashAux]:
     result = torch.ops.aten._scaled_dot_product_flash_attention(
         q.transpose(1, 2),
         _expand_kv(q, k),
@@ -132,7 +145,8 @@ def flash_block_forward(
         scale=scale,
     )
     out, lse = result[0], result[1]
-    return out.transpose(1, 2).float(), lse.transpose(1, 2).float()
+    aux = FlashAux(cum_seq_q=result[2], cum_seq_k=result[3], philox_seed=result[6], philox_offset=result[7])
+    return out.transpose(1, 2).float(), lse.transpose(1, 2).float(), aux
 
 
 def flash_block_backward(
@@ -145,11 +159,10 @@ def flash_block_backward(
     lse: torch.Tensor,
     scale: float,
     mask: BlockMask,
+    aux: FlashAux,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     batch, sq, heads, _ = q.shape
     sk, kv_heads = k.shape[1], k.shape[2]
-    cum_q = torch.zeros(0, dtype=torch.int32, device=q.device)
-    empty = torch.zeros(0, dtype=torch.int64, device=q.device)
     grad_q, grad_k, grad_v = torch.ops.aten._scaled_dot_product_flash_attention_backward(
         grad_out.to(q.dtype).transpose(1, 2),
         q.transpose(1, 2),
@@ -157,14 +170,14 @@ def flash_block_backward(
         _expand_kv(q, v),
         out.to(q.dtype).transpose(1, 2),
         lse.transpose(1, 2).contiguous(),
-        cum_q,
-        cum_q,
+        aux.cum_seq_q,
+        aux.cum_seq_k,
         sq,
         sk,
         0.0,
         mask.causal,
-        empty,
-        empty,
+        aux.philox_seed,
+        aux.philox_offset,
         scale=scale,
     )
     groups = heads // kv_heads
@@ -178,10 +191,12 @@ def flash_block_backward(
 
 def block_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, mask: BlockMask
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, FlashAux | None]:
+    """`(out, lse, aux)`: `aux` is set when the flash kernel ran (keep one for `block_backward`)."""
     if flash_applies(q, mask):
         return flash_block_forward(q, k, v, scale=scale, mask=mask)
-    return eager_block_forward(q, k, v, scale=scale, mask=mask)
+    out, lse = eager_block_forward(q, k, v, scale=scale, mask=mask)
+    return out, lse, None
 
 
 def block_backward(
@@ -194,9 +209,13 @@ def block_backward(
     lse: torch.Tensor,
     scale: float,
     mask: BlockMask,
+    flash_aux: FlashAux | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`flash_aux`: from any flash forward of the same call (dense inputs, no dropout: the same for every block)."""
     if flash_applies(q, mask):
-        return flash_block_backward(grad_out, q, k, v, out=out, lse=lse, scale=scale, mask=mask)
+        if flash_aux is None:
+            raise RuntimeError("a flash block in backward needs the FlashAux of a flash forward")
+        return flash_block_backward(grad_out, q, k, v, out=out, lse=lse, scale=scale, mask=mask, aux=flash_aux)
     return eager_block_backward(grad_out, q, k, v, out=out, lse=lse, scale=scale, mask=mask)
 
 

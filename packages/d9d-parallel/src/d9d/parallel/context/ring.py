@@ -58,18 +58,20 @@ class _RingAttention(torch.autograd.Function):
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
+        flash_aux = None
         for step in range(size):
             pending = ring.start(kv) if step < size - 1 else None  # the next block moves while this one computes
             src = (rank - step) % size
             query, key, causal = block_pair(rank, src, q.shape[1])
             mask = _mask(documents, rank=rank, src=src, query=query, key=key, causal=causal)
-            block_out, block_lse = block_forward(q[:, query], kv[0][:, key], kv[1][:, key], scale=scale, mask=mask)
+            block_out, block_lse, aux = block_forward(q[:, query], kv[0][:, key], kv[1][:, key], scale=scale, mask=mask)
+            flash_aux = flash_aux or aux
             out[:, query], lse[:, query] = merge_into(out[:, query], lse[:, query], block_out, block_lse)
             if pending is not None:
                 finish(pending[1])
                 kv = pending[0]
         ctx.save_for_backward(q, k, v, out, lse, documents)
-        ctx.group, ctx.scale = group, scale
+        ctx.group, ctx.scale, ctx.flash_aux = group, scale, flash_aux
         return out.to(q.dtype)
 
     @staticmethod
@@ -95,6 +97,7 @@ class _RingAttention(torch.autograd.Function):
                 lse=lse[:, query],
                 scale=ctx.scale,
                 mask=_mask(documents, rank=rank, src=src, query=query, key=key, causal=causal),
+                flash_aux=ctx.flash_aux,
             )
             grad_q[:, query] += dq
             grad_kv[0][:, key] += dk
