@@ -8,7 +8,7 @@ random lengths (crossing chunk and rank boundaries), labels shifted within each 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,7 @@ from d9d.models.qwen3 import (
     qwen3_dense_parameters_from_hf,
     qwen3_moe_parameters_from_hf,
 )
-from d9d.parallel import FsdpConfig, clip_grad_norm_
+from d9d.parallel import AnyDataParallelConfig, FsdpConfig, clip_grad_norm_
 from d9d.parallel.context import ContextParallelConfig, ContextParallelDataSource
 
 VOCAB = 96
@@ -152,13 +152,14 @@ class CpModelProvider:
     family: str
     context: ContextParallelConfig
     prepare: Callable[[nn.Module], object] | None = None  # e.g. LoRA injection, on the meta model
+    data_parallel: AnyDataParallelConfig = field(default_factory=FsdpConfig)
 
     def __call__(self, ctx: DistributedContext, loader: ModelLoader | None) -> BuiltModel:
         model = build_tiny(self.family)
         if self.prepare is not None:
             self.prepare(model)
         parallelize = parallelize_qwen3_dense if self.family == "dense" else parallelize_qwen3_moe
-        sync = parallelize(model, ctx, FsdpConfig(), context=self.context)
+        sync = parallelize(model, ctx, self.data_parallel, context=self.context)
         materialize_(model, ctx.device)
         return BuiltModel(model=model, gradient_sync=sync, aux_losses=aux_loss_weights(model))
 
@@ -175,6 +176,7 @@ def build_cp_trainer(
     checkpoint_dir: Path | None = None,
     checkpoint_every: int | None = None,
     prepare: Callable[[nn.Module], object] | None = None,
+    data_parallel: AnyDataParallelConfig | None = None,
 ) -> Trainer[Any]:
     config = TrainerConfig(
         total_steps=total_steps,
@@ -191,7 +193,9 @@ def build_cp_trainer(
     return build_trainer(
         ctx,
         config,
-        model_provider=CpModelProvider(family, ContextParallelConfig(attention=attention), prepare),  # type: ignore[arg-type]
+        model_provider=CpModelProvider(  # type: ignore[arg-type]
+            family, ContextParallelConfig(attention=attention), prepare, data_parallel or FsdpConfig()
+        ),
         task=PackedTask(),
         data_provider=data_provider_for(global_rows, microbatch_rows),
         optimizer_provider=lambda model: build_optimizer(OPTIMIZER, model.parameters()),
@@ -216,6 +220,7 @@ def train_distributed(
     global_rows: int,
     attention: str,
     prepare: Callable[[nn.Module], object] | None = None,
+    data_parallel: AnyDataParallelConfig | None = None,
 ) -> Run:
     events = EventBus()
     norms: list[float] = []
@@ -228,6 +233,7 @@ def train_distributed(
         attention=attention,
         events=events,
         prepare=prepare,
+        data_parallel=data_parallel,
     )
     result = trainer.train()
     model = trainer.parts.model

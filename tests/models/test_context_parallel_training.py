@@ -21,6 +21,7 @@ import torch.distributed as dist
 from cp_workload import build_cp_trainer, train_distributed, train_reference
 
 from d9d.core.dist import DistributedContext, MeshDegrees
+from d9d.parallel import HsdpConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module.*returned a view tensor:UserWarning")
 
@@ -55,6 +56,19 @@ def test_cp2_dp2_training_equals_one_process(family, attention):
         if family == "moe":
             missing_cp = train_reference(family, STEPS, GLOBAL_ROWS, aux_weight=2.0)
             assert _compare(run, missing_cp)["params"] > 20 * PARAM_TOLERANCE, "cannot tell the 1/cp weighting"
+    dist.barrier()
+
+
+@pytest.mark.distributed(world_size=4, timeout=400)
+def test_hsdp_dp_replicate2_x_cp2_training_equals_one_process():
+    """Replicas over dp_replicate, FSDP over dp_cp_shard = cp: the cp ranks shard the parameters."""
+    ctx = DistributedContext.build(MeshDegrees(dp_replicate=2, cp=2), device="cpu")
+    run = train_distributed(ctx, "moe", STEPS, GLOBAL_ROWS, "ring", data_parallel=HsdpConfig())
+    if ctx.rank == 0:
+        worst = _compare(run, train_reference("moe", STEPS, GLOBAL_ROWS))
+        print(f"moe/ring dp_replicate=2 x cp=2 (HSDP): {worst}")
+        assert worst["loss"] <= LOSS_TOLERANCE and worst["params"] <= PARAM_TOLERANCE, worst
+        assert worst["grad_norm_rel"] <= NORM_TOLERANCE, worst
     dist.barrier()
 
 
