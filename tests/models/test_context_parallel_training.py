@@ -14,6 +14,7 @@ The layout-change resume trains 5 steps under cp=2 x dp_shard=2, checkpoints, an
 (no cp) for steps 6-10 with the same global batch: those losses equal the single-process run's.
 """
 
+import inspect
 import shutil
 
 import pytest
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from cp_workload import build_cp_trainer, train_distributed, train_reference
 
 from d9d.core.dist import DistributedContext, MeshDegrees
+from d9d.models.qwen3 import parallelize_qwen3_dense
 from d9d.parallel import HsdpConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module.*returned a view tensor:UserWarning")
@@ -105,4 +107,24 @@ def test_checkpoint_written_under_cp2_dp2_resumes_on_dp4_with_the_same_global_ba
         worst = max(abs(resumed.losses[step] - reference.losses[step - 1]) for step in range(6, STEPS + 1))
         print(f"resume cp2xdp2 -> dp4: max |loss - reference| over steps 6-10 = {worst:.2e}")
         assert worst <= LOSS_TOLERANCE
+    dist.barrier()
+
+
+def _plans_take_tensor_parallel() -> bool:
+    return "tensor_parallel" in inspect.signature(parallelize_qwen3_dense).parameters
+
+
+@pytest.mark.skipif(not _plans_take_tensor_parallel(), reason="the Qwen3 plans have no tensor parallelism yet")
+@pytest.mark.parametrize("family", ["dense", "moe"])
+@pytest.mark.distributed(world_size=8, timeout=600)
+def test_tp2_cp2_dp2_training_equals_one_process(family):
+    """8 ranks: tensor + sequence parallel (tp=2) inside each cp shard, ring attention over cp=2, FSDP over
+    dp_cp_shard (dp_shard=2 x cp=2). Same steps, batches and tolerances as the cp2 x dp2 test."""
+    ctx = DistributedContext.build(MeshDegrees(dp_shard=2, cp=2, tp=2), device="cpu")
+    run = train_distributed(ctx, family, STEPS, GLOBAL_ROWS, "ring")
+    if ctx.rank == 0:
+        worst = _compare(run, train_reference(family, STEPS, GLOBAL_ROWS))
+        print(f"{family}/ring tp=2 x cp=2 x dp_shard=2: {worst}")
+        assert worst["loss"] <= LOSS_TOLERANCE and worst["params"] <= PARAM_TOLERANCE, worst
+        assert worst["grad_norm_rel"] <= NORM_TOLERANCE, worst
     dist.barrier()
