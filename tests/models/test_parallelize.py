@@ -79,10 +79,9 @@ def test_parallel_plan_matches_single_process(family, strategy):
 
 
 @pytest.mark.distributed(world_size=2)
-def test_tensor_and_expert_parallel_degrees_are_refused_clearly():
+def test_expert_parallel_degrees_are_refused_clearly():
     params = qwen3_moe_parameters_from_hf(MOE_HF)
     for degrees, named in (
-        (MeshDegrees(tp=2), "tp=2"),
         (MeshDegrees(dp_shard=2, ep=2), "ep=2"),
     ):
         ctx = DistributedContext.build(degrees)
