@@ -81,9 +81,7 @@ def test_parallel_plan_matches_single_process(family, strategy):
 @pytest.mark.distributed(world_size=2)
 def test_expert_parallel_degrees_are_refused_clearly():
     params = qwen3_moe_parameters_from_hf(MOE_HF)
-    for degrees, named in (
-        (MeshDegrees(dp_shard=2, ep=2), "ep=2"),
-    ):
+    for degrees, named in ((MeshDegrees(dp_shard=2, ep=2), "ep=2"),):
         ctx = DistributedContext.build(degrees)
         with pytest.raises(NotImplementedError, match=f"{named} is not supported yet"):
             parallelize_qwen3_moe(_build(Qwen3MoeForCausalLM, params), ctx, FsdpConfig())
