@@ -14,7 +14,6 @@ The layout-change resume trains 5 steps under cp=2 x dp_shard=2, checkpoints, an
 (no cp) for steps 6-10 with the same global batch: those losses equal the single-process run's.
 """
 
-import inspect
 import shutil
 
 import pytest
@@ -22,7 +21,6 @@ import torch.distributed as dist
 from cp_workload import build_cp_trainer, train_distributed, train_reference
 
 from d9d.core.dist import DistributedContext, MeshDegrees
-from d9d.models.qwen3 import parallelize_qwen3_dense
 from d9d.parallel import HsdpConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module.*returned a view tensor:UserWarning")
@@ -110,11 +108,6 @@ def test_checkpoint_written_under_cp2_dp2_resumes_on_dp4_with_the_same_global_ba
     dist.barrier()
 
 
-def _plans_take_tensor_parallel() -> bool:
-    return "tensor_parallel" in inspect.signature(parallelize_qwen3_dense).parameters
-
-
-@pytest.mark.skipif(not _plans_take_tensor_parallel(), reason="the Qwen3 plans have no tensor parallelism yet")
 @pytest.mark.parametrize("family", ["dense", "moe"])
 @pytest.mark.distributed(world_size=8, timeout=600)
 def test_tp2_cp2_dp2_training_equals_one_process(family):
