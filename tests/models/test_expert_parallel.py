@@ -126,3 +126,51 @@ def test_expert_parallel_degree_check_names_the_valid_values():
     with pytest.raises(ValueError, match=r"ep=4 must divide dp_replicate\*dp_shard\*cp = 6.*: 1, 2"):
         check_expert_parallel_degrees(MeshDegrees.model_construct(dp_shard=6, ep=4), 8)
     check_expert_parallel_degrees(MeshDegrees(dp_shard=4, ep=4).resolve(4), 8)
+
+
+def _lora_model(degrees: MeshDegrees | None):
+    from d9d.peft import LoRAConfig, LoRAParameters, build_peft_method, inject_peft_and_freeze
+
+    model = build_meta()
+    pattern = r".*\.mlp\.experts\.(gate|up|down)_proj|.*\.self_attn\.q_proj"
+    config = LoRAConfig(module_name_pattern=pattern, params=LoRAParameters(r=2, alpha=4))
+    inject_peft_and_freeze(build_peft_method(config), model)
+    ctx = sync = None
+    if degrees is not None:
+        ctx = DistributedContext.build(degrees)
+        sync = parallelize_qwen3_moe(model, ctx, FsdpConfig())
+    materialize_with_spread_routers(model)
+    return ctx, model, sync
+
+
+@pytest.mark.distributed(world_size=2, timeout=300)
+def test_lora_on_experts_of_an_expert_parallel_model_trains_and_exports(tmp_path):
+    from ep_workload import PARAMS
+    from safetensors.torch import load_file
+
+    from d9d.models.qwen3 import mapper_to_huggingface_qwen3_moe
+    from d9d.peft.export import ADAPTER_WEIGHTS, export_hf_peft_adapter
+
+    ctx, model, sync = _lora_model(MeshDegrees(dp_shard=2, ep=2))
+    lora_a = model.model.layers["0"].mlp.experts.gate_proj.lora_A
+    assert isinstance(lora_a, DTensor) and lora_a.to_local().shape[0] == PARAMS.num_experts // 2
+    trace = train(model, optimizer_for(model), range(4), ctx=ctx, sync=sync)
+    _, reference, _ = _lora_model(None)
+    reference_trace = Trace()
+    hooks = record_top_k_gaps(reference, reference_trace)
+    train(reference, optimizer_for(reference), range(4), trace=reference_trace)
+    for hook in hooks:
+        hook.remove()
+    _assert_same_training(trace, reference_trace)
+    _assert_same_parameters(model, reference)
+    assert any(name.endswith("lora_B") and full(p).abs().max() > 0 for name, p in model.named_parameters())
+
+    to_hf = mapper_to_huggingface_qwen3_moe(PARAMS)
+    export_hf_peft_adapter(model, to_hf, tmp_path / "ep", write=ctx.rank == 0)
+    torch.distributed.barrier()
+    export_hf_peft_adapter(reference, to_hf, tmp_path / f"reference{ctx.rank}")
+    exported = load_file(tmp_path / "ep" / ADAPTER_WEIGHTS)
+    expected = load_file(tmp_path / f"reference{ctx.rank}" / ADAPTER_WEIGHTS)
+    assert exported.keys() == expected.keys() and any(".experts.7." in name for name in exported)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(exported[name], tensor, rtol=0, atol=PARAM_ATOL, msg=name)
