@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from d9d.kernels.expert_dispatch import AnyExpertDispatchConfig, TokenDispatcher
 from d9d.kernels.grouped_mm import GroupedMm
@@ -109,9 +110,12 @@ class MoELayer(nn.Module):
             expert_rows = self.experts(permuted.rows, permuted.group_sizes)
             out = unpermute_tokens(expert_rows, permuted, routing.expert_weights)
         else:
-            dispatched = self.dispatcher.dispatch(flat, indices, routing.expert_weights)
+            # Named ranges, so a profile shows the share of a step spent moving tokens (bench/expert_parallel.py).
+            with record_function("moe.dispatch"):
+                dispatched = self.dispatcher.dispatch(flat, indices, routing.expert_weights)
             expert_rows = self.experts(dispatched.rows, dispatched.group_sizes)
-            out = self.dispatcher.combine(expert_rows, dispatched)
+            with record_function("moe.combine"):
+                out = self.dispatcher.combine(expert_rows, dispatched)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         if not _in_backward():
