@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import platform
@@ -194,10 +195,8 @@ def main() -> None:
     for mode in args.modes:
         ep = 1 if mode == "fsdp" else world
         if mode == "deep_ep":
-            try:
-                import deep_ep  # noqa: F401 - availability only; the dispatcher imports it itself
-            except ImportError as error:
-                rows.append(f"| {mode} | skipped: deep_ep is not importable ({error}) | | | | |")
+            if importlib.util.find_spec("deep_ep") is None:
+                rows.append(f"| {mode} | skipped: deep_ep is not installed (bench/build_deepep.sh) | | | | |")
                 continue
         ctx = DistributedContext.build(MeshDegrees(dp_shard=-1, ep=ep), device=args.device)
         try:
