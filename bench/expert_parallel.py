@@ -194,10 +194,9 @@ def main() -> None:
     rows: list[str] = []
     for mode in args.modes:
         ep = 1 if mode == "fsdp" else world
-        if mode == "deep_ep":
-            if importlib.util.find_spec("deep_ep") is None:
-                rows.append(f"| {mode} | skipped: deep_ep is not installed (bench/build_deepep.sh) | | | | |")
-                continue
+        if mode == "deep_ep" and importlib.util.find_spec("deep_ep") is None:
+            rows.append(f"| {mode} | skipped: deep_ep is not installed (bench/build_deepep.sh) | | | | |")
+            continue
         ctx = DistributedContext.build(MeshDegrees(dp_shard=-1, ep=ep), device=args.device)
         try:
             result = run(mode, ctx, params, args)
