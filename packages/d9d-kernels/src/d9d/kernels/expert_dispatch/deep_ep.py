@@ -6,7 +6,7 @@ received copies sorted by local expert, their outputs are weighted and summed pe
 those back on the source rank. Backward of dispatch is a combine of the gradients (and of the weights' gradients)
 with the same handle, backward of combine a cached dispatch: DeepEP's own recipe. Low-latency mode (inference only,
 needs NVSHMEM with IBGDA) dispatches into per-expert buffers and combines with the weights inside the kernel.
-The calls follow DeepEP 1.0.0 (the PyPI release); see bench/build_deepep.sh to build it.
+The calls follow DeepEP's v1 `Buffer` API (1.0.0 on PyPI through 1.2.1); see bench/build_deepep.sh to build it.
 """
 
 from __future__ import annotations
@@ -120,6 +120,11 @@ class DeepEpDispatcher:
         self._deep_ep.Buffer.set_num_sms(num_sms)
         self._buffer: Any = None
 
+    def _topk_idx(self, expert_indices: torch.Tensor) -> torch.Tensor:
+        """DeepEP >= 1.2 names its index dtype `deep_ep.topk_idx_t` (int64 by default); 1.0.0 wants int64."""
+        dtype = getattr(self._deep_ep, "topk_idx_t", torch.int64)
+        return expert_indices.to(dtype if isinstance(dtype, torch.dtype) else torch.int64)
+
     def _buffer_for(self, hidden: int) -> Any:
         """The communication buffer, allocated on first use (low-latency sizing needs the hidden size)."""
         if self._buffer is None:
@@ -147,7 +152,7 @@ class DeepEpDispatcher:
             return self._dispatch_low_latency(x, expert_indices, expert_weights)
         buffer = self._buffer_for(x.shape[-1])
         recv_x, recv_idx, recv_weights, handle, per_expert = _Dispatch.apply(  # type: ignore[no-untyped-call]
-            x, expert_indices.long(), expert_weights.float(), buffer, self.num_experts
+            x, self._topk_idx(expert_indices), expert_weights.float(), buffer, self.num_experts
         )
         sort = sort_by_expert(recv_idx, self.num_local_experts, may_drop=True)
         rows = gather_sorted_rows(recv_x, sort, recv_idx.shape[1], sum(per_expert))
@@ -183,7 +188,7 @@ class DeepEpDispatcher:
         buffer = self._buffer_for(x.shape[-1])
         method = buffer.low_latency_dispatch
         extra = {"use_fp8": False} if "use_fp8" in inspect.signature(method).parameters else {}
-        topk_idx = expert_indices.long()
+        topk_idx = self._topk_idx(expert_indices)
         recv, counts_tensor, handle, _, _ = method(
             x, topk_idx, self.max_dispatch_tokens_per_rank, self.num_experts, **extra
         )
