@@ -12,6 +12,7 @@ from d9d.models.blocks.moe import (
     RouterScoring,
     TopKRouter,
     drop_over_capacity,
+    expert_load_metrics,
     force_routing,
     load_balancing_loss,
     permute_tokens,
@@ -183,3 +184,10 @@ def test_layer_with_capacity_factor_drops_copies_and_counts_what_the_router_chos
 def test_capacity_factor_must_be_positive():
     with pytest.raises(ValueError, match="capacity_factor must be positive"):
         _moe(capacity_factor=0.0)
+
+
+def test_expert_load_metrics_give_shares_and_imbalance():
+    metrics = expert_load_metrics({"1": torch.tensor([6.0, 2.0, 0.0, 0.0]), "0": torch.zeros(2)})
+    assert metrics["expert_load/1/0"] == 0.75 and metrics["expert_load/1/2"] == 0.0
+    assert metrics["expert_imbalance/1"] == 3.0
+    assert metrics["expert_load/0/1"] == 0.0 and metrics["expert_imbalance/0"] == 0.0
