@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from d9d.core.dist import DistributedContext
+from d9d.core.loop.reduce import sum_tensors_over
 from d9d.models import materialize_
 from d9d.models.blocks.late_init import init_normal_
 from d9d.models.blocks.moe import MoELayer, TopKRouter
@@ -43,6 +44,7 @@ MIN_TOP_K_GAP = 5e-5  # logits; the runs differ in them by far less (parameters 
 class Trace:
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
+    loads: list[torch.Tensor] = field(default_factory=list)  # per step: routed copies per global expert, all layers
     min_gap: float = float("inf")
 
 
@@ -129,9 +131,13 @@ def train(
         else:
             norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
-        for module in model.modules():
-            if isinstance(module, MoELayer):
-                module.reset_load()
+        layers = [module for module in model.modules() if isinstance(module, MoELayer)]
+        loads = torch.stack([layer.tokens_per_expert for layer in layers])
+        if ctx is not None:  # what the Trainer does before a bias update: sum over the data ranks
+            loads = sum_tensors_over({"loads": loads}, ctx.mesh_for("batch")["dp"].get_group())["loads"]
+        trace.loads.append(loads.reshape(len(layers), -1).clone())
+        for layer in layers:
+            layer.reset_load()
         trace.losses.append(float(loss_sum))
         trace.grad_norms.append(float(norm))
     return trace

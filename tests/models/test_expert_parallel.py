@@ -41,6 +41,7 @@ LAYOUTS = {
     "ep2-fsdp2": (2, MeshDegrees(dp_shard=2, ep=2), FsdpConfig()),
     "ep4-fsdp4": (4, MeshDegrees(dp_shard=4, ep=4), FsdpConfig()),
     "ep2-over-hsdp2x2": (4, MeshDegrees(dp_replicate=2, dp_shard=2, ep=2), HsdpConfig()),
+    "ep2-efsdp2-fsdp4": (4, MeshDegrees(dp_shard=4, ep=2), FsdpConfig()),  # experts also FSDP over ep_replicate=2
 }
 
 
@@ -67,6 +68,9 @@ def _assert_same_training(trace: Trace, reference: Trace) -> None:
     assert reference.min_gap > MIN_TOP_K_GAP, f"router top-k near-tie ({reference.min_gap:.2e}): parity is luck"
     torch.testing.assert_close(trace.losses, reference.losses, rtol=LOSS_RTOL, atol=0)
     torch.testing.assert_close(trace.grad_norms, reference.grad_norms, rtol=NORM_RTOL, atol=0)
+    # Expert loads summed over the data ranks are the single process's, exactly (they are counts).
+    for step, (loads, expected) in enumerate(zip(trace.loads, reference.loads, strict=True)):
+        assert torch.equal(loads, expected), f"step {step}: loads {loads.tolist()} != {expected.tolist()}"
 
 
 def _assert_same_parameters(model: torch.nn.Module, reference: torch.nn.Module) -> None:
