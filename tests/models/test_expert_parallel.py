@@ -20,6 +20,7 @@ from ep_workload import (
     record_top_k_gaps,
     train,
 )
+from tiny import EAGER
 from torch.distributed.tensor import DTensor
 
 from d9d.core.checkpoint import JobCheckpointer, ModelAndOptimizer
@@ -56,9 +57,9 @@ def _reference(steps: range) -> tuple[torch.nn.Module, Trace]:
     return model, trace
 
 
-def _parallel(degrees: MeshDegrees, config) -> tuple[DistributedContext, torch.nn.Module, object]:
+def _parallel(degrees: MeshDegrees, config, decoder=EAGER) -> tuple[DistributedContext, torch.nn.Module, object]:
     ctx = DistributedContext.build(degrees)
-    model = build_meta()
+    model = build_meta(decoder)
     sync = parallelize_qwen3_moe(model, ctx, config)
     materialize_with_spread_routers(model)
     return ctx, model, sync
@@ -91,6 +92,18 @@ def test_expert_parallel_training_matches_single_process(world_size, layout):
     assert experts.to_local().shape[0] * degrees.ep * ctx.degrees.expert_replicate() >= experts.shape[0]
     trace = train(model, optimizer_for(model), range(STEPS), ctx=ctx, sync=sync)
     reference, reference_trace = _reference(range(STEPS))
+    _assert_same_training(trace, reference_trace)
+    _assert_same_parameters(model, reference)
+
+
+@pytest.mark.distributed(world_size=2, timeout=300)
+def test_expert_parallel_with_activation_checkpointing_recomputes_the_exchange():
+    # Recomputation in backward dispatches again: every rank recomputes the same layers in the same order, so the
+    # collectives pair up, and the load counts skip the recomputation.
+    checkpointed = EAGER.model_copy(update={"activation_checkpointing": True})
+    ctx, model, sync = _parallel(MeshDegrees(dp_shard=2, ep=2), FsdpConfig(), checkpointed)
+    trace = train(model, optimizer_for(model), range(3), ctx=ctx, sync=sync)
+    reference, reference_trace = _reference(range(3))
     _assert_same_training(trace, reference_trace)
     _assert_same_parameters(model, reference)
 
