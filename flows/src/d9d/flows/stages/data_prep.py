@@ -17,6 +17,7 @@ from d9d.flows.console import current_progress
 from d9d.flows.jobs.config import JobConfig
 from d9d.flows.jobs.contract import Completeness, PartialStage, StageDirectory, StageResult
 from d9d.flows.jobs.data_prep import DataPrepConfig, DataPrepPlan, commit, plan_data_prep, run_data_prep, skipped
+from d9d.flows.jobs.data_prep.stage import check as check_data_prep
 from d9d.flows.jobs.progress import LogProgress, Progress
 
 
@@ -31,12 +32,12 @@ def plan_task(config: DataPrepConfig, output: Path) -> DataPrepPlan:
 
 @task(name="check-manifest", cache_policy=NO_CACHE, persist_result=False)
 def check_task(directory: StageDirectory, plan: DataPrepPlan) -> Completeness:
-    return directory.check(plan.key)
+    return check_data_prep(directory, plan)
 
 
 @task(name="tokenize", cache_policy=NO_CACHE, persist_result=False)
 def tokenize_task(directory: StageDirectory, plan: DataPrepPlan) -> StageResult:
-    partial: PartialStage = directory.open_partial()
+    partial: PartialStage = directory.open_partial(plan.key)
     outcome = run_data_prep(plan, partial, progress=_progress())
     return commit(directory, partial, plan, outcome)
 
@@ -46,7 +47,7 @@ def data_prep_flow(job: dict[str, Any]) -> dict[str, Any]:
     """Raw text to a tokenizer and train/validation token shards under `job.data_prep.output`."""
     config = JobConfig.model_validate(job)
     output = config.data_prep_output
-    directory = StageDirectory(output)
+    directory = StageDirectory(output, replace=config.replace_outputs)
     progress = _progress()
     with directory.lock():
         plan = plan_task(config.data_prep, output)
