@@ -13,7 +13,13 @@ from d9d.kernels.expert_dispatch.config import (
     resolve_expert_dispatch_config,
 )
 from d9d.kernels.expert_dispatch.deep_ep import DeepEpDispatcher, import_deep_ep
-from d9d.kernels.expert_dispatch.sorting import ExpertOrder, gather_sorted_rows, sort_by_expert, weighted_unsort
+from d9d.kernels.expert_dispatch.sorting import (
+    ExpertOrder,
+    count_per_expert,
+    gather_sorted_rows,
+    sort_by_expert,
+    weighted_unsort,
+)
 
 __all__ = [
     "EXPERT_DISPATCH_CONFIG_ADAPTER",
@@ -28,6 +34,7 @@ __all__ = [
     "all_to_all",
     "build_token_dispatcher",
     "capabilities_of_group",
+    "count_per_expert",
     "detect_expert_dispatch_config",
     "gather_sorted_rows",
     "import_deep_ep",

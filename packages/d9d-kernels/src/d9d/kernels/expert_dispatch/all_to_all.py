@@ -85,7 +85,9 @@ class AllToAllDispatcher:
         received = all_to_all(sent, recv_splits, send_splits, self.group)
         # Received rows are ordered by (source rank, local expert); the experts want local-expert-major.
         local_expert = torch.repeat_interleave(
-            torch.arange(self.num_local_experts, device=x.device).repeat(self.num_ranks), recv_counts.reshape(-1)
+            torch.arange(self.num_local_experts, device=x.device).repeat(self.num_ranks),
+            recv_counts.reshape(-1),
+            output_size=sum(recv_splits),  # known already: no second device-to-host sync
         )
         local_order = torch.argsort(local_expert, stable=True)
         local_inverse = torch.empty_like(local_order)

@@ -32,8 +32,17 @@ def sort_by_expert(expert_indices: torch.Tensor, num_experts: int, *, may_drop: 
     order = torch.argsort(key, stable=True)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
-    group_sizes = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
+    group_sizes = count_per_expert(key, num_experts + 1)[:num_experts]
     return ExpertOrder(order=order, inverse=inverse, group_sizes=group_sizes)
+
+
+def count_per_expert(flat_indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many entries of `flat_indices` (all in `[0, num_experts)`) name each expert, `(num_experts,)` int64.
+
+    A scatter-add rather than `torch.bincount`, which on CUDA reads the maximum back to the host to size its output.
+    """
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat_indices.device)
+    return counts.scatter_add_(0, flat_indices, torch.ones_like(flat_indices))
 
 
 def gather_sorted_rows(x: torch.Tensor, sort: ExpertOrder, top_k: int, num_kept: int | None = None) -> torch.Tensor:

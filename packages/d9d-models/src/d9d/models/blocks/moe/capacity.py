@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from d9d.kernels.expert_dispatch import count_per_expert
+
 
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
     return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
@@ -21,7 +23,7 @@ def drop_over_capacity(expert_indices: torch.Tensor, num_experts: int, capacity_
     capacity = expert_capacity(num_tokens, top_k, num_experts, capacity_factor)
     flat = expert_indices.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = count_per_expert(flat, num_experts)
     starts = torch.cumsum(counts, dim=0) - counts
     position_sorted = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
     position = torch.empty_like(position_sorted)

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from d9d.kernels.expert_dispatch import AnyExpertDispatchConfig, TokenDispatcher
+from d9d.kernels.expert_dispatch import AnyExpertDispatchConfig, TokenDispatcher, count_per_expert
 from d9d.kernels.grouped_mm import GroupedMm
 from d9d.models.blocks.ffn import SwiGLU
 from d9d.models.blocks.moe.capacity import drop_over_capacity
@@ -101,7 +101,7 @@ class MoELayer(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         routing = self.router(flat)
-        routed = torch.bincount(routing.expert_indices.reshape(-1), minlength=self.num_experts)
+        routed = count_per_expert(routing.expert_indices.reshape(-1), self.num_experts)
         indices = routing.expert_indices
         if self.capacity_factor is not None:
             indices = drop_over_capacity(indices, self.num_experts, self.capacity_factor)
