@@ -191,3 +191,10 @@ def test_lora_on_experts_of_an_expert_parallel_model_trains_and_exports(tmp_path
     assert exported.keys() == expected.keys() and any(".experts.7." in name for name in exported)
     for name, tensor in expected.items():
         torch.testing.assert_close(exported[name], tensor, rtol=0, atol=PARAM_ATOL, msg=name)
+
+
+@pytest.mark.distributed(world_size=4, timeout=120)
+def test_expert_parallel_with_tensor_parallel_is_refused_clearly():
+    ctx = DistributedContext.build(MeshDegrees(dp_shard=2, tp=2, ep=2))
+    with pytest.raises(NotImplementedError, match="ep=2 with tp=2 is not supported yet"):
+        parallelize_qwen3_moe(build_meta(), ctx, FsdpConfig())
