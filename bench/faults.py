@@ -175,7 +175,8 @@ def inject(kind: str, work: Path, rng: random.Random) -> tuple[str, bool | None]
             return f"rank {rank} step {step}: exit {code}", None
         case "kill-launcher" | "sigterm":
             process = _start(work)
-            _wait_for_checkpoint(work, process, at_least=rng.choice([2, 4]))
+            if not _wait_for_checkpoint(work, process, at_least=rng.choice([2, 4])):
+                return f"the run ended before the signal (exit {_wait(process)})", None
             if kind == "kill-launcher":
                 os.kill(process.pid, signal.SIGKILL)
                 process.wait()
