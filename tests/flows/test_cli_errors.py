@@ -107,3 +107,16 @@ def test_a_stage_alone_needs_the_outputs_it_reads(capsys, tmp_path):
     err = _error(capsys, ["run", "evaluate", "--preset", "micro", "--set", f"workdir={tmp_path}"])
     assert f"evaluate reads the output of data-prep at {tmp_path / 'data'}, which is not complete" in err
     assert "run `d9d run data-prep` (or the pipeline) first" in err
+
+
+def test_a_workdir_holding_a_foreign_folder_is_refused_and_the_folder_kept(capsys, tmp_path):
+    """`--set workdir=/shared` where /shared/data is not d9d's: refused before anything runs, nothing touched."""
+    shared = tmp_path / "shared"
+    (shared / "data" / "raw").mkdir(parents=True)
+    (shared / "data" / "raw" / "corpus.txt").write_text("years of collected text\n", encoding="utf-8")
+    before = sorted(str(path.relative_to(shared)) for path in shared.rglob("*"))
+    err = _error(capsys, ["run", "pipeline", "--preset", "micro", "--set", f"workdir={shared}"])
+    assert f"d9d: error: {shared / 'data'} exists and is not a d9d stage output" in err
+    assert "raw/" in err and "--set replace_outputs=true" in err
+    assert sorted(str(path.relative_to(shared)) for path in shared.rglob("*")) == before
+    assert (shared / "data" / "raw" / "corpus.txt").read_text(encoding="utf-8") == "years of collected text\n"

@@ -12,7 +12,7 @@ from tokenizers import Tokenizer
 
 from d9d.core.data import TokenShardFormatError, TokenShardSet
 from d9d.flows.jobs.config import JobConfig
-from d9d.flows.jobs.contract import StageDirectory
+from d9d.flows.jobs.contract import StageDirectory, StageOutputConflict
 from d9d.flows.jobs.data_prep import CorpusError, SplitError, TokenizerError, preflight, prepare_data
 from d9d.flows.jobs.data_prep.config import EmbeddedCorpus
 from d9d.flows.jobs.data_prep.corpus import embedded_files
@@ -23,8 +23,8 @@ def _config(tmp_path, corpus, **data_prep):
     return JobConfig.model_validate(small_job(tmp_path, corpus, **data_prep)).resolved(tmp_path)
 
 
-def _run(config):
-    return prepare_data(config.data_prep, config.data_prep_output)
+def _run(config, *, replace=False):
+    return prepare_data(config.data_prep, config.data_prep_output, replace=replace)
 
 
 def _all_documents(output):
@@ -68,7 +68,10 @@ def test_a_second_run_skips_and_a_changed_corpus_reruns(tmp_path, corpus_dir):
     assert again.status == "skipped"
     assert index.stat().st_mtime_ns == before
     (corpus_dir / "plays" / "a.txt").write_text(TEXTS[0] + " Ay, there's the rub.", encoding="utf-8")
-    changed = _run(config)
+    with pytest.raises(StageOutputConflict, match=r"complete data-prep output .*inputs changed \(plays/a.txt\)"):
+        _run(config)  # a changed input never replaces finished work without the explicit option
+    assert index.stat().st_mtime_ns == before
+    changed = _run(config, replace=True)
     assert changed.status == "ran"
     assert "inputs changed (plays/a.txt)" in changed.reason
 
@@ -196,7 +199,7 @@ def test_tokenizer_mismatch_with_an_existing_shard_set_is_refused_unless_allowed
     allowed = other.model_copy(
         update={"data_prep": other.data_prep.model_copy(update={"allow_tokenizer_change": True})}
     )
-    assert _run(allowed).statistics["tokenizer"]["vocab_size"] == 320
+    assert _run(allowed, replace=True).statistics["tokenizer"]["vocab_size"] == 320
 
 
 def test_validation_fraction_that_leaves_no_training_text_is_refused(tmp_path, corpus_dir):

@@ -50,7 +50,7 @@ def check_task(directory: StageDirectory, plan: ConvertPlan) -> Completeness:
 
 @task(name="convert", cache_policy=NO_CACHE, persist_result=False)
 def convert_task(directory: StageDirectory, plan: ConvertPlan) -> StageResult:
-    partial = directory.open_partial()
+    partial = directory.open_partial(plan.key)
     files, statistics = run_convert(plan, partial)
     return commit(directory, partial, plan, files, statistics)
 
@@ -62,7 +62,7 @@ def convert_flow(job: dict[str, Any]) -> dict[str, Any]:
     job_config = JobConfig.model_validate(job)
     config, output = job_config.convert, job_config.convert_output
     architecture = job_config.pretrain.model.parameters
-    directory = StageDirectory(output)
+    directory = StageDirectory(output, replace=job_config.replace_outputs)
     progress = _progress()
     with directory.lock():
         source = source_task(config, output, architecture)

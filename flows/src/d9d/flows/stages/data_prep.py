@@ -37,7 +37,7 @@ def check_task(directory: StageDirectory, plan: DataPrepPlan) -> Completeness:
 
 @task(name="tokenize", cache_policy=NO_CACHE, persist_result=False)
 def tokenize_task(directory: StageDirectory, plan: DataPrepPlan) -> StageResult:
-    partial: PartialStage = directory.open_partial()
+    partial: PartialStage = directory.open_partial(plan.key)
     outcome = run_data_prep(plan, partial, progress=_progress())
     return commit(directory, partial, plan, outcome)
 
@@ -47,7 +47,7 @@ def data_prep_flow(job: dict[str, Any]) -> dict[str, Any]:
     """Raw text to a tokenizer and train/validation token shards under `job.data_prep.output`."""
     config = JobConfig.model_validate(job)
     output = config.data_prep_output
-    directory = StageDirectory(output)
+    directory = StageDirectory(output, replace=config.replace_outputs)
     progress = _progress()
     with directory.lock():
         plan = plan_task(config.data_prep, output)

@@ -47,7 +47,7 @@ def check_task(directory: StageDirectory, plan: EvaluatePlan) -> Completeness:
 
 @task(name="evaluate", cache_policy=NO_CACHE, persist_result=False)
 def evaluate_task(directory: StageDirectory, plan: EvaluatePlan) -> StageResult:
-    partial = directory.open_partial()
+    partial = directory.open_partial(plan.key)
     statistics = run_evaluate_stage(plan, partial, _progress())
     return commit(directory, partial, plan, statistics)
 
@@ -68,7 +68,7 @@ def publish_task(result: StageResult) -> None:
 def evaluate_flow(job: dict[str, Any]) -> dict[str, Any]:
     """Held-out loss, perplexity and bits per byte of each checkpoint into `<workdir>/evaluation`."""
     config = JobConfig.model_validate(job)
-    directory = StageDirectory(config.evaluate_output)
+    directory = StageDirectory(config.evaluate_output, replace=config.replace_outputs)
     progress = _progress()
     with directory.lock():
         plan = plan_task(config)

@@ -53,7 +53,7 @@ def check_task(directory: StageDirectory, plan: FinetunePlan) -> Completeness:
 @task(name="finetune", cache_policy=NO_CACHE, persist_result=False)
 def finetune_task(directory: StageDirectory, plan: FinetunePlan) -> StageResult:
     progress = _progress()
-    partial = directory.open_partial()
+    partial = directory.open_partial(plan.key)
     progress.note(f"finetune: {prepare_partial(partial, plan.key)} on {plan.config.nproc_per_node} ranks")
     statistics = run_finetune_stage(plan, partial, progress)
     return commit(directory, partial, plan, statistics)
@@ -63,7 +63,7 @@ def finetune_task(directory: StageDirectory, plan: FinetunePlan) -> StageResult:
 def finetune_flow(job: dict[str, Any]) -> dict[str, Any]:
     """Fine-tune the pretrained model on the fine-tune corpus into `<workdir>/finetune` (adapter, merged weights)."""
     config = JobConfig.model_validate(job)
-    directory = StageDirectory(config.finetune_output)
+    directory = StageDirectory(config.finetune_output, replace=config.replace_outputs)
     progress = _progress()
     with directory.lock():
         plan = plan_task(config)

@@ -22,7 +22,7 @@ def finetune_data_flow(job: dict[str, Any]) -> dict[str, Any]:
     config = JobConfig.model_validate(job)
     require_complete(config.data_prep_output, "data-prep", "finetune-data")
     output = config.finetune_data_output
-    directory = StageDirectory(output)
+    directory = StageDirectory(output, replace=config.replace_outputs)
     progress = current_progress() or LogProgress(get_run_logger())
     with directory.lock():
         plan = plan_task(config.finetune_data_prep, output)

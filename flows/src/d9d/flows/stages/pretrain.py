@@ -51,7 +51,7 @@ def check_task(directory: StageDirectory, plan: PretrainPlan) -> Completeness:
 @task(name="train", cache_policy=NO_CACHE, persist_result=False)
 def train_task(directory: StageDirectory, plan: PretrainPlan) -> StageResult:
     progress = _progress()
-    partial = directory.open_partial()
+    partial = directory.open_partial(plan.key)
     progress.note(f"pretrain: {prepare_partial(partial, plan.key)} on {plan.config.nproc_per_node} ranks")
     statistics = run_pretrain_stage(plan, partial, progress)
     return commit(directory, partial, plan, statistics)
@@ -61,7 +61,7 @@ def train_task(directory: StageDirectory, plan: PretrainPlan) -> StageResult:
 def pretrain_flow(job: dict[str, Any]) -> dict[str, Any]:
     """Train the job's model on the train split into `<workdir>/pretrain` (job checkpoints, losses, the log)."""
     config = JobConfig.model_validate(job)
-    directory = StageDirectory(config.pretrain_output)
+    directory = StageDirectory(config.pretrain_output, replace=config.replace_outputs)
     progress = _progress()
     with directory.lock():
         plan = plan_task(config)

@@ -63,16 +63,19 @@ def commit(
     )
 
 
-def prepare_data(config: DataPrepConfig, output: Path, *, progress: Progress | None = None) -> StageResult:
-    """The whole stage in this process, without an orchestrator: skip when complete, else run and commit."""
+def prepare_data(
+    config: DataPrepConfig, output: Path, *, progress: Progress | None = None, replace: bool = False
+) -> StageResult:
+    """The whole stage in this process, without an orchestrator: skip when complete, else run and commit
+    (`replace`: replace a foreign or stale `output` instead of refusing, see `StageDirectory`)."""
     progress = progress or NoProgress()
-    directory = StageDirectory(output)
+    directory = StageDirectory(output, replace=replace)
     with directory.lock():
         plan = plan_data_prep(config, output)
         completeness = check(directory, plan)
         if completeness.complete:
             return skipped(plan, completeness)
-        partial = directory.open_partial()
+        partial = directory.open_partial(plan.key)
         outcome = run_data_prep(plan, partial, progress=progress)
         result = commit(directory, partial, plan, outcome)
     return result.with_reason(completeness.reason)

@@ -33,7 +33,7 @@ from d9d.core.dist import DistributedContext, MeshDegrees
 from d9d.core.dist.domains import MeshDomain
 from d9d.core.loop import Inference, LoaderDataSource
 from d9d.core.loop.trainer import TRAINER_STATE_FILE
-from d9d.flows.jobs.launch import emit_progress
+from d9d.flows.jobs.launch import emit_progress, prepare_rank
 from d9d.flows.jobs.pretrain.config import AnyModelConfig
 from d9d.flows.jobs.pretrain.program import PackedCausalLMTask, model_provider_for
 from d9d.flows.jobs.weights import load_converted_weights
@@ -196,6 +196,7 @@ class EvaluateSuiteConfig(BaseModel):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    prepare_rank()  # stack dumps on SIGUSR2, SIGTERM if torchrun dies
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, required=True)
     parser.add_argument("--suite", action="store_true", help="the config is a suite of candidates")

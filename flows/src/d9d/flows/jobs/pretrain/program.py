@@ -36,7 +36,7 @@ from d9d.core.loop import (
 )
 from d9d.core.lr import build_lr_scheduler
 from d9d.core.optim import build_optimizer
-from d9d.flows.jobs.launch import emit_progress
+from d9d.flows.jobs.launch import emit_progress, prepare_rank
 from d9d.flows.jobs.pretrain.config import (
     AnyModelConfig,
     PretrainConfig,
@@ -201,6 +201,7 @@ def report_progress(events: EventBus, total_steps: int) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    prepare_rank()  # stack dumps on SIGUSR2, SIGTERM if torchrun dies
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, required=True)
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
