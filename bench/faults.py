@@ -264,7 +264,11 @@ def main() -> int:
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     parser.add_argument("--root", type=Path, help="keep trials here (default: a temporary directory)")
     parser.add_argument("--json", type=Path, help="write every trial as JSON here")
-    parser.add_argument("--append-docs", action="store_true", help="append the table to docs/reliability.md")
+    parser.add_argument(
+        "--append-docs",
+        action="store_true",
+        help="add the table at the end of docs/reliability.md's fault campaign section",
+    )
     args = parser.parse_args()
     root = args.root or Path(tempfile.mkdtemp(prefix="d9d-faults-"))
     root.mkdir(parents=True, exist_ok=True)
@@ -301,8 +305,11 @@ def main() -> int:
             f"\n`python bench/faults.py --trials {args.trials} --seed {args.seed}` ({stamp}, {minutes:.0f} min, "
             f"CPU, {NPROC} gloo ranks):\n\n"
         )
-        with docs.open("a", encoding="utf-8") as handle:
-            handle.write(heading + summary + "\n")
+        text = docs.read_text(encoding="utf-8")
+        start = text.index("\n## Fault campaign\n")
+        end = text.find("\n## ", start + 1)
+        end = len(text) if end < 0 else end
+        docs.write_text(text[:end].rstrip("\n") + "\n" + heading + summary + "\n" + text[end:], encoding="utf-8")
     if args.root is None:
         shutil.rmtree(root, ignore_errors=True)
     bad = [t for t in trials if not t.recovered or t.lost_data or t.corrupt_accepted or t.orphans or t.outside_changed]
