@@ -10,7 +10,7 @@ import pytest
 from flows_corpora import TEXTS, small_job
 from tokenizers import Tokenizer
 
-from d9d.core.data import TokenShardSet
+from d9d.core.data import TokenShardFormatError, TokenShardSet
 from d9d.flows.jobs.config import JobConfig
 from d9d.flows.jobs.contract import StageDirectory, StageOutputConflict
 from d9d.flows.jobs.data_prep import CorpusError, SplitError, TokenizerError, preflight, prepare_data
@@ -232,3 +232,17 @@ def test_both_embedded_corpora_are_installed_by_the_set_up_command():
     assert len(milton) >= 7
     assert any("paradise" in file.name for file in milton)
     assert any("Disobedience" in file.path.read_text(errors="replace") for file in milton)  # Paradise Lost, l. 1
+
+
+def test_a_same_size_corrupt_shard_is_rebuilt_by_the_next_run_and_refused_by_readers(tmp_path, corpus_dir):
+    config = _config(tmp_path, corpus_dir)
+    _run(config)
+    shard = sorted((config.data_prep_output / "train").glob("*.d9dtok"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # a flipped byte: same size, so the manifest's size check alone passes it
+    shard.write_bytes(bytes(data))
+    with pytest.raises(TokenShardFormatError, match=rf"{shard.name}: checksum mismatch.*rerun data preparation"):
+        TokenShardSet(shard.parent)
+    repaired = _run(config)
+    assert repaired.status == "ran" and "corrupt token shards" in repaired.reason and shard.name in repaired.reason
+    assert TokenShardSet(shard.parent).num_documents > 0

@@ -42,6 +42,7 @@ from d9d.flows.jobs.preflight import (
 )
 from d9d.flows.jobs.presets import describe_presets
 from d9d.flows.jobs.stage_names import PIPELINE, STAGE_SECTIONS
+from d9d.flows.jobs.verify import add_verify_command, run_verify_command
 
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
@@ -73,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     show = commands.add_parser("show-config", help="print the job config that a run would use, as YAML")
     _config_arguments(show)
     add_convert_command(commands)
+    add_verify_command(commands)
     add_deployment_commands(commands)
     return parser
 
@@ -94,6 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "convert":
         return run_convert_command(args)
+    if args.command == "verify":
+        return run_verify_command(args)
     if args.command in DEPLOYMENT_COMMANDS:
         return run_deployment_command(args)
     try:

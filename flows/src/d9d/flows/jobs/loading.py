@@ -11,6 +11,7 @@ from typing import Any, Union
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from d9d.core.config import NonFiniteConfigError, require_finite
 from d9d.flows.jobs.config import JobConfig
 from d9d.flows.jobs.presets import preset
 
@@ -50,6 +51,10 @@ def load_job_config(
             if part
         )
         raise JobConfigError(format_validation_error(error, JobConfig, source=source or "defaults")) from error
+    try:
+        require_finite(config)
+    except NonFiniteConfigError as error:
+        raise JobConfigError(f"invalid job config: {error}") from error
     return config.resolved(base if base is not None else Path.cwd())
 
 

@@ -4,6 +4,7 @@ of their rank program with its progress turned into a losses file."""
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -114,7 +115,23 @@ def launch_training(
         launch(spec, on_progress=tracker)
     finally:
         progress.finish()
-    return TrainingRun(losses=read_losses(root / LOSSES_FILE), resumed_from=tracker.resumed_from, started=started)
+    losses = read_losses(root / LOSSES_FILE)
+    require_finite_last_loss(losses, name=name)
+    return TrainingRun(losses=losses, resumed_from=tracker.resumed_from, started=started)
+
+
+class NonFiniteLossError(RuntimeError):
+    """A training stage's last loss is inf or nan: its model is not committed as the stage's output."""
+
+
+def require_finite_last_loss(losses: dict[int, float], *, name: str) -> None:
+    """Refuse to let a stage commit a model whose last recorded loss is not finite (its checkpoints stay)."""
+    if losses and not math.isfinite(last := losses[max(losses)]):
+        raise NonFiniteLossError(
+            f"{name}: the loss of the last step ({max(losses)}) is {last}; the model is not committed as the "
+            "stage's output (its partial directory and checkpoints are kept). Lower the learning rate or check "
+            "the data, then rerun"
+        )
 
 
 class StepTracker:

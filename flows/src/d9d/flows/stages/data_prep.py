@@ -17,6 +17,7 @@ from d9d.flows.console import current_progress
 from d9d.flows.jobs.config import JobConfig
 from d9d.flows.jobs.contract import Completeness, PartialStage, StageDirectory, StageResult
 from d9d.flows.jobs.data_prep import DataPrepConfig, DataPrepPlan, commit, plan_data_prep, run_data_prep, skipped
+from d9d.flows.jobs.data_prep.stage import check as check_data_prep
 from d9d.flows.jobs.progress import LogProgress, Progress
 
 
@@ -31,7 +32,7 @@ def plan_task(config: DataPrepConfig, output: Path) -> DataPrepPlan:
 
 @task(name="check-manifest", cache_policy=NO_CACHE, persist_result=False)
 def check_task(directory: StageDirectory, plan: DataPrepPlan) -> Completeness:
-    return directory.check(plan.key)
+    return check_data_prep(directory, plan)
 
 
 @task(name="tokenize", cache_policy=NO_CACHE, persist_result=False)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from d9d.core.data import INDEX_FILENAME, TokenShardFormatError, TokenShardSet
 from d9d.flows.jobs.contract import (
     Completeness,
     PartialStage,
     StageDirectory,
     StageReporter,
     StageResult,
+    Status,
 )
 from d9d.flows.jobs.data_prep.config import DataPrepConfig
 from d9d.flows.jobs.data_prep.program import (
@@ -34,6 +36,21 @@ REPORTER = StageReporter(
 )
 
 
+def check(directory: StageDirectory, plan: DataPrepPlan) -> Completeness:
+    """The manifest check, plus every shard set's checksums: a corrupt shard makes the output incomplete, so the
+    stage writes it again instead of skipping it."""
+    completeness = directory.check(plan.key)
+    if completeness.complete:
+        for index in sorted(directory.target.rglob(INDEX_FILENAME)):
+            try:
+                TokenShardSet(index.parent)
+            except TokenShardFormatError as error:
+                return Completeness(
+                    status=Status.INCOMPLETE, reason=f"corrupt token shards: {error}", manifest=completeness.manifest
+                )
+    return completeness
+
+
 def skipped(plan: DataPrepPlan, completeness: Completeness) -> StageResult:
     return REPORTER.skipped(plan.output, completeness)
 
@@ -55,7 +72,7 @@ def prepare_data(
     directory = StageDirectory(output, replace=replace)
     with directory.lock():
         plan = plan_data_prep(config, output)
-        completeness = directory.check(plan.key)
+        completeness = check(directory, plan)
         if completeness.complete:
             return skipped(plan, completeness)
         partial = directory.open_partial(plan.key)

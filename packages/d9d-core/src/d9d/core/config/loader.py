@@ -16,6 +16,8 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel
 
+from d9d.core.config.finite import require_finite
+
 TConfig = TypeVar("TConfig", bound=BaseModel)
 
 SUFFIXES = (".yaml", ".yml", ".json", ".toml")
@@ -70,9 +72,15 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[s
 
 
 def load_config(config_type: type[TConfig], path: Path | str | None = None, overrides: Sequence[str] = ()) -> TConfig:
-    """Validate `config_type` from an optional file plus overrides (pydantic's errors name the bad fields)."""
+    """Validate `config_type` from an optional file plus overrides (pydantic's errors name the bad fields).
+
+    Raises:
+        NonFiniteConfigError: a float field is inf or nan (named as its dotted key path).
+    """
     data = read_config_file(Path(path)) if path is not None else {}
-    return config_type.model_validate(apply_overrides(data, overrides))
+    config = config_type.model_validate(apply_overrides(data, overrides))
+    require_finite(config)
+    return config
 
 
 def dump_config(config: BaseModel, path: Path | str) -> Path:
