@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from d9d.kernels.attention import AnyAttentionConfig
+from d9d.kernels.expert_dispatch import AnyExpertDispatchConfig
 from d9d.kernels.grouped_mm import AnyGroupedMmConfig
 from d9d.kernels.linear_cross_entropy import AnyLinearCrossEntropyConfig
 from d9d.kernels.moe_permute import AnyMoePermuteConfig
@@ -25,6 +26,10 @@ class DecoderConfig(BaseModel):
     `checkpoint_policy`: `full` (recompute the whole layer) or `selective` (keep matmul and attention outputs).
     `compile_layers`: compile each decoder layer's forward (`compile_backend`, regional compilation; FSDP2-safe).
     `loss_chunk_size`: tokens per chunk of the LM loss (bounds the logits held at once).
+    `expert_dispatch`: the token exchange of expert parallelism (`None`: `D9D_BACKEND_AUTO_EXPERT_DISPATCH`, else
+    detected); used only when the plan has `ep > 1`.
+    `moe_capacity_factor`: drop the routed copies beyond `ceil(factor * tokens * top_k / experts)` per expert and
+    rank (`None`, the default: no dropping).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -41,6 +46,8 @@ class DecoderConfig(BaseModel):
     compile_layers: bool = False
     compile_backend: str = "inductor"
     loss_chunk_size: int = Field(default=2048, gt=0)
+    expert_dispatch: AnyExpertDispatchConfig | None = None
+    moe_capacity_factor: float | None = Field(default=None, gt=0)
 
     def checkpoints_layer(self, index: int) -> bool:
         if isinstance(self.activation_checkpointing, bool):

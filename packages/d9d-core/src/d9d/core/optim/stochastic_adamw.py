@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from d9d.core.optim.fused_step import AdamWStepParameters, registered_fused_stochastic_adamw_step
@@ -156,4 +156,9 @@ def _shard_coordinate(param: torch.Tensor) -> tuple[int, ...]:
     if not isinstance(param, DTensor):
         return ()
     coordinate = tuple(param.device_mesh.get_coordinate() or ())
-    return tuple(coordinate[dim] for dim, placement in enumerate(param.placements) if isinstance(placement, Shard))
+    # Not `isinstance(placement, Shard)`: FSDP over an expert-parallel dimension yields `_StridedShard`, no `Shard`.
+    return tuple(
+        coordinate[dim]
+        for dim, placement in enumerate(param.placements)
+        if not placement.is_replicate() and not placement.is_partial()
+    )
