@@ -72,7 +72,7 @@ attempt_v1_intranode_only() {
         "$src/setup.py"
     grep -q 'intranode-only build' "$src/setup.py" || { echo "attempt 2: setup.py patch did not apply"; return 1; }
     echo "attempt 2: DeepEP v1.2.1 (567632d), intranode only (-DDISABLE_NVSHMEM)"
-    env -u NVSHMEM_DIR install_and_check "$src" "$LOG_DIR/attempt2.log"
+    (unset NVSHMEM_DIR; install_and_check "$src" "$LOG_DIR/attempt2.log")
 }
 
 for attempt in $ATTEMPTS; do

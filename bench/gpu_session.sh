@@ -41,9 +41,12 @@ for part in "$@"; do case $part in
     run 0,1,2,3 180 tp.log $B --tp 2 --compile --steps 8 --warmup 3
     run 0,1,2,3 180 tp.log $B --tp 2 --compile --async-tp --steps 8 --warmup 3 ;;
   pipeline)
-    run 0,1,2,3 300 pp.log bench/pipeline_schedules.py --steps 6 --warmup 2
-    python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/parallel tests/pipeline tests/core 2>&1 \
+    run 0,1,2,3 300 pp.log bench/pipeline_schedules.py --steps 6 --warmup 2 ;;
+  gputests)
+    timeout 240 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/parallel tests/pipeline 2>&1 \
       | tee "$out/gpu-tests.log" | tail -15 ;;
+  generation)
+    timeout 240 python3 bench/generation.py 2>&1 | tee "$out/generation.log" | grep -E "^[|#]" ;;
   kernels)
     timeout 200 python3 bench/kernels.py --json "$out/kernels.json" 2>&1 | tee "$out/kernels.log" | grep -E "^[|#]"
     for flags in "--kernels eager" "--kernels triton" "--kernels triton --compile"; do
@@ -54,7 +57,7 @@ for part in "$@"; do case $part in
     if [ -f /tmp/deepep.done ]; then tail -20 /tmp/deepep.log; cp /tmp/deepep.log "$out/"
       python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/parallel/test_gpu_expert_dispatch.py 2>&1 | tail -8
     elif pgrep -f build_deepep.sh >/dev/null; then echo "deepep build still running"; tail -3 /tmp/deepep.log
-    else MAX_JOBS=24 PYTHON=python3 DEEP_EP_LOG_DIR=/tmp setsid nohup bash -c \
+    else MAX_JOBS=24 PYTHON=python3 DEEP_EP_LOG_DIR=/tmp DEEP_EP_ATTEMPTS=${DEEP_EP_ATTEMPTS:-"1 2"} setsid nohup bash -c \
         'nice bash bench/build_deepep.sh; touch /tmp/deepep.done' > /tmp/deepep.log 2>&1 < /dev/null &
       echo "deepep build started"; fi ;;
   *) echo "unknown part $part"; exit 2 ;;
