@@ -14,6 +14,7 @@ over the whole cache under the mask in `DecodeState`, and puts the original back
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -36,6 +37,9 @@ class DecodeState:
     max_len: int
     slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
     allowed: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.bool))
+    # The decode step's `slots` / `allowed`, updated in place from step to step (and generation to generation).
+    step_slots: torch.Tensor | None = None
+    step_allowed: torch.Tensor | None = None
 
 
 def allowed_slots(start: torch.Tensor, query_slots: torch.Tensor, max_len: int) -> torch.Tensor:
@@ -60,9 +64,12 @@ class CachedAttention:
         self.value: torch.Tensor | None = None
 
     def _allocate(self, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.key is None or self.value is None:
-            _, _, kv_heads, head_dim = key.shape
-            shape = (self.batch, kv_heads, self.state.max_len, head_dim)
+        _, _, kv_heads, head_dim = key.shape
+        shape = (self.batch, kv_heads, self.state.max_len, head_dim)
+        stale = self.key is not None and (
+            self.key.shape != shape or self.key.dtype != key.dtype or self.key.device != key.device
+        )
+        if self.key is None or self.value is None or stale:  # first use, or the model moved or changed dtype
             self.key = torch.zeros(shape, dtype=key.dtype, device=key.device)
             self.value = torch.zeros(shape, dtype=key.dtype, device=key.device)
         return self.key, self.value
@@ -76,8 +83,8 @@ class CachedAttention:
             raise ValueError(f"the cache was built for batch {self.batch}, the forward has batch {batch}")
         cache_key, cache_value = self._allocate(key)
         kv_heads = cache_key.shape[1]
-        cache_key.index_copy_(2, self.state.slots, key.transpose(1, 2).to(cache_key.dtype))
-        cache_value.index_copy_(2, self.state.slots, value.transpose(1, 2).to(cache_value.dtype))
+        cache_key.index_copy_(2, self.state.slots, key.transpose(1, 2))
+        cache_value.index_copy_(2, self.state.slots, value.transpose(1, 2))
         # Grouped heads without copying the cache: the `groups` query heads sharing a key/value head become extra
         # query rows of that head, and the mask repeats over them.
         groups = heads // kv_heads
@@ -92,17 +99,31 @@ def attention_layers(model: nn.Module) -> list[GroupedQueryAttention]:
     return [module for module in model.modules() if isinstance(module, GroupedQueryAttention)]
 
 
+# The caches of the last generation per model and shape, reused by the next one of the same shape: the compiled
+# decode step then meets the same backend objects and cache tensors and is not recompiled. Stale slots are never
+# read (a query only sees slots this generation wrote).
+_REUSABLE: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[int, int], DecodeState, list[CachedAttention]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 @contextlib.contextmanager
 def attach_kv_cache(model: nn.Module, *, batch: int, max_len: int) -> Iterator[DecodeState]:
-    """Give each attention layer of `model` a fresh cache for `batch` rows of `max_len` slots until exit."""
+    """Give each attention layer of `model` a cache for `batch` rows of `max_len` slots until exit."""
     layers = attention_layers(model)
     if not layers:
         raise ValueError(f"{type(model).__name__} has no GroupedQueryAttention layers to cache")
-    state = DecodeState(max_len=max_len)
+    reusable = _REUSABLE.get(model)
+    if reusable is not None and reusable[0] == (batch, max_len) and len(reusable[2]) == len(layers):
+        _, state, backends = reusable
+    else:
+        state = DecodeState(max_len=max_len)
+        backends = [CachedAttention(state, batch) for _ in layers]
+        _REUSABLE[model] = ((batch, max_len), state, backends)
     originals: list[AttentionBackend] = [layer.backend for layer in layers]
     try:
-        for layer in layers:
-            layer.backend = CachedAttention(state, batch)
+        for layer, backend in zip(layers, backends, strict=True):
+            layer.backend = backend
         yield state
     finally:
         for layer, original in zip(layers, originals, strict=True):

@@ -150,8 +150,10 @@ def generate(
     with torch.no_grad(), attach_kv_cache(model, batch=batch, max_len=max_len) as state:
         state.slots, state.allowed = prompt_slots, allowed_slots(start, prompt_slots, max_len)
         logits = _last_logits(model, ids, positions)  # prefill: eager, its shape differs per batch of prompts
-        state.slots = torch.zeros(1, dtype=torch.long, device=device)
-        state.allowed = allowed_slots(start, state.slots, max_len)
+        if state.step_slots is None or state.step_allowed is None or state.step_slots.device != device:
+            state.step_slots = torch.zeros(1, dtype=torch.long, device=device)
+            state.step_allowed = allowed_slots(start, state.step_slots, max_len)
+        state.slots, state.allowed = state.step_slots, state.step_allowed
         for index in range(config.max_new_tokens):
             if return_logits:
                 step_logits.append(logits)
