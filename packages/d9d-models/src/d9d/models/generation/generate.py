@@ -92,6 +92,22 @@ def _left_aligned(rows: list[list[int]], pad: int, device: torch.device) -> tupl
     return ids.to(device), start.to(device)
 
 
+def _check_supported(model: nn.Module, config: GenerationConfig, decode: Callable[[list[int]], str] | None) -> None:
+    """Stop strings need `decode`. Tensor parallelism here always brings sequence parallelism, which splits
+    activations along the sequence: a one-token decode step cannot be split, so such a model is refused up front."""
+    if config.stop_strings and decode is None:
+        raise ValueError(f"stop_strings={config.stop_strings} need a decode callback to turn tokens into text")
+    for name, parameter in model.named_parameters():
+        mesh = getattr(parameter, "device_mesh", None)
+        names = getattr(mesh, "mesh_dim_names", None) or ()
+        if mesh is not None and "tp" in names and mesh.size(names.index("tp")) > 1:
+            raise NotImplementedError(
+                f"generation does not support tensor-parallel models yet ({name} is sharded over tp="
+                f"{mesh.size(names.index('tp'))}, which comes with sequence parallelism); generate with tp=1 "
+                "(FSDP/replicate data parallelism is supported, with process_group=)"
+            )
+
+
 def _model_device(model: nn.Module) -> torch.device:
     for parameter in model.parameters():
         return parameter.device
@@ -127,8 +143,7 @@ def generate(
     """Continue each prompt (a list of token-id lists, or a padded `(batch, seq)` tensor with `prompt_lengths` and
     its `padding_side`) with `model`, a whole causal LM from the catalogue (possibly FSDP-sharded: then pass the
     data-parallel `process_group`, so every rank runs the same number of forwards)."""
-    if config.stop_strings and decode is None:
-        raise ValueError(f"stop_strings={config.stop_strings} need a decode callback to turn tokens into text")
+    _check_supported(model, config, decode)
     rows = _prompt_rows(prompts, prompt_lengths, padding_side)
     device = _model_device(model)
     ids, start = _left_aligned(rows, config.pad_token_id, device)
