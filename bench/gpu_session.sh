@@ -2,7 +2,8 @@
 # One GPU session's benchmark runs, in parts that each fit one device call (10 minutes), on a 4-GPU host.
 # Every part reruns its own baseline (FSDP at the same per-GPU batch) in the same command, since machines differ.
 # Usage there (carry .whl): bash bench/gpu_session.sh PART...; logs and the printed tables go to $OUT.
-#   parallel : tensor parallel vs FSDP (2 and 4 GPUs), expert parallel vs FSDP (1, 2, 4 GPUs), long context (cp)
+#   parallel : tensor parallel vs FSDP (2 and 4 GPUs), expert parallel vs FSDP (1, 4 GPUs), long context (cp)
+#   compile  : tp2 x dp_shard2 with compiled layers, async TP off and on
 #   pipeline : pipeline schedules at pp=4, then the GPU parity tests of every parallel style over NCCL
 #   kernels  : the kernel table and the single-GPU Trainer ablation
 #   deepep   : build DeepEP in the background (its own session, so it outlives the call), then test it
@@ -23,18 +24,22 @@ run() {  # run GPUS TIMEOUT LOG ARGS...: one torchrun on the listed GPUs, tables
 for part in "$@"; do case $part in
   parallel)
     B=bench/tensor_parallel.py
-    run 0,1 120 tp.log $B --steps 10 --warmup 3
-    run 0,1 120 tp.log $B --tp 2 --steps 10 --warmup 3
-    run 0,1,2,3 120 tp.log $B --steps 10 --warmup 3
-    run 0,1,2,3 120 tp.log $B --tp 2 --steps 10 --warmup 3
-    run 0,1,2,3 180 tp.log $B --tp 2 --compile --steps 10 --warmup 3
-    run 0,1,2,3 180 tp.log $B --tp 2 --compile --async-tp --steps 10 --warmup 3
+    run 0,1 120 tp.log $B --steps 8 --warmup 3
+    run 0,1 120 tp.log $B --tp 2 --steps 8 --warmup 3
+    run 0,1,2,3 120 tp.log $B --steps 8 --warmup 3
+    run 0,1,2,3 120 tp.log $B --tp 2 --steps 8 --warmup 3
     E=bench/expert_parallel.py
-    run 0 90 ep.log $E --modes fsdp --steps 10 --warmup 3
-    run 0,1 100 ep.log $E --modes fsdp ep --steps 10 --warmup 3
-    run 0,1,2,3 120 ep.log $E --modes fsdp ep deep_ep --steps 10 --warmup 3
+    run 0 90 ep.log $E --modes fsdp --steps 8 --warmup 3 --profile-steps 2
+    run 0,1,2,3 150 ep.log $E --modes fsdp ep deep_ep --steps 8 --warmup 3 --profile-steps 2
     C=bench/context_parallel.py
-    [ -f $C ] && run 0,1,2,3 240 cp.log $C ;;
+    run 0 90 cp.log $C --cp 1 --seq 8192
+    run 0 90 cp.log $C --cp 1 --seq 16384
+    run 0,1,2,3 120 cp.log $C --cp 4 --seq 16384
+    run 0,1,2,3 120 cp.log $C --cp 4 --seq 32768 ;;
+  compile)
+    B=bench/tensor_parallel.py
+    run 0,1,2,3 180 tp.log $B --tp 2 --compile --steps 8 --warmup 3
+    run 0,1,2,3 180 tp.log $B --tp 2 --compile --async-tp --steps 8 --warmup 3 ;;
   pipeline)
     run 0,1,2,3 300 pp.log bench/pipeline_schedules.py --steps 6 --warmup 2
     python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/parallel tests/pipeline tests/core 2>&1 \

@@ -161,10 +161,11 @@ def _api(mode: str) -> Iterator[None]:
     if mode != "embedded":
         yield
         return
-    from d9d.flows.embedded_api import embedded_api_url, using_api
+    from d9d.flows.embedded_api import embedded_api_url, startup_timeout, using_api
 
     home = Path(os.environ["PREFECT_HOME"])
-    with using_api(embedded_api_url(home, startup_timeout=EMBEDDED_STARTUP_SECONDS)):
+    timeout = startup_timeout(os.environ, EMBEDDED_STARTUP_SECONDS)
+    with using_api(embedded_api_url(home, startup_timeout=timeout)):
         yield
 
 

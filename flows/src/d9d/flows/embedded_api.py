@@ -21,7 +21,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO
 
@@ -30,6 +30,15 @@ from d9d.flows.jobs.parent_death import guarded_command
 
 _SERVER_ENV = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
 LOG_FILE = "embedded-server.log"
+STARTUP_TIMEOUT_ENV = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"  # Prefect's own setting, honoured here
+
+
+def startup_timeout(environ: Mapping[str, str], default: float) -> float:
+    """Seconds to wait for the embedded API: Prefect's ephemeral start-up setting if set, else `default`."""
+    try:
+        return float(environ.get(STARTUP_TIMEOUT_ENV, default))
+    except ValueError:
+        return default
 
 
 class EmbeddedApi:
@@ -68,12 +77,33 @@ class EmbeddedApi:
         )
         api_url = f"http://127.0.0.1:{port}/api"
         try:
-            wait_until_healthy(api_url, timeout_seconds=self._timeout)
+            self._wait_until_healthy(api_url)
         except BaseException:
             self.stop()
             raise
         self.api_url = api_url
         return api_url
+
+    def _wait_until_healthy(self, api_url: str) -> None:
+        """Poll the health probe until it answers; fail at once (with the log's end) if the server exits."""
+        deadline = time.monotonic() + self._timeout
+        while True:
+            assert self._process is not None
+            if self._process.poll() is not None:
+                tail = (self._home / LOG_FILE).read_text(encoding="utf-8", errors="replace").splitlines()[-5:]
+                raise RuntimeError(
+                    f"the embedded Prefect API exited with code {self._process.returncode} while starting; "
+                    f"{self._home / LOG_FILE} ends: {' | '.join(tail)}"
+                )
+            try:
+                wait_until_healthy(api_url, timeout_seconds=min(5.0, max(deadline - time.monotonic(), 0.5)))
+                return
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"the embedded Prefect API at {api_url} was not healthy after {self._timeout:.0f} s; raise "
+                        f"{STARTUP_TIMEOUT_ENV} on a loaded machine (see {self._home / LOG_FILE})"
+                    ) from None
 
     def stop(self) -> None:
         process, self._process = self._process, None

@@ -96,9 +96,7 @@ def emit_progress(record: Mapping[str, Any]) -> None:
 
 def prepare_rank() -> None:
     """Called first by every rank program: dump this rank's Python stack on SIGUSR2 (into the launcher's stacks
-    directory when it set one), and get SIGTERM (checkpoint and stop) if torchrun dies without stopping us."""
-    from d9d.flows.jobs.parent_death import die_with_parent
-
+    directory when it set one). (That a rank dies with torchrun is d9d-core's `DistributedContext`'s job.)"""
     directory = os.environ.get(STACKS_ENV)
     rank = os.environ.get("RANK", "0")
     if directory:
@@ -107,7 +105,6 @@ def prepare_rank() -> None:
         faulthandler.register(STACK_SIGNAL, file=stack_file, all_threads=True)
     else:
         faulthandler.register(STACK_SIGNAL, all_threads=True)
-    die_with_parent(os.getppid(), signal.SIGTERM)
 
 
 def torchrun_command(spec: LaunchSpec) -> list[str]:

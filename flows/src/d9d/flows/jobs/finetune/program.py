@@ -175,7 +175,7 @@ def run_finetune(config: FinetuneConfig, ctx: DistributedContext, events: EventB
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    prepare_rank()  # stack dumps on SIGUSR2, SIGTERM if torchrun dies
+    prepare_rank()  # its Python stack on SIGUSR2, for the launcher's report of a failed group
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, required=True)
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")

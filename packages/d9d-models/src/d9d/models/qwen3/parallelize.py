@@ -4,7 +4,8 @@
 
 1. tensor + sequence parallelism on the `tp` dimension of the dense mesh (`tensor_parallel.py`, a plan per family);
 2. expert parallelism (Qwen3-MoE, `ep > 1`): experts sharded over the expert domain, tokens dispatched
-   (`parallelize_experts`); context parallelism adds its step here;
+   (`parallelize_experts`); context parallelism (`parallelize_context`) swaps a sequence-sharded attention into
+   every attention layer before it (batches are sharded by `d9d.parallel.context`);
 3. data parallelism (replicate, FSDP, HSDP) on `(dp_replicate, dp_cp_shard)`, last, because FSDP wraps the DTensors
    the earlier steps made.
 
@@ -23,6 +24,7 @@ from torch import nn
 
 from d9d.core.dist import DistributedContext
 from d9d.core.dist.domains import MeshDomain
+from d9d.models.blocks.context_parallel import parallelize_context
 from d9d.models.blocks.moe import parallelize_experts
 from d9d.models.qwen3.tensor_parallel import (
     TensorParallelConfig,
@@ -45,6 +47,7 @@ from d9d.parallel import (
     parallelize_hsdp,
     select_modules,
 )
+from d9d.parallel.context import ContextParallelConfig
 
 DEFAULT_UNIT_ROLES = [str(Role.DECODER_LAYER), str(Role.EMBEDDING), str(Role.LM_HEAD)]
 
@@ -68,6 +71,7 @@ def parallelize_qwen3_dense(
     config: AnyDataParallelConfig,
     *,
     tensor_parallel: TensorParallelConfig | None = None,
+    context: ContextParallelConfig | None = None,
 ) -> GradientSync:
     """Apply the topology of `ctx` and `config` to a (stage of a) Qwen3 dense model built on the meta device, before
     `materialize_`. Returns what the training loop drives per step (`begin_step`, `wait`).
@@ -76,7 +80,7 @@ def parallelize_qwen3_dense(
         ValueError: the model's shapes do not divide by `tp`, or `kind='replicate'` with `tp > 1`.
         NotImplementedError: the topology has cp or ep above 1, or pp and tp both above 1.
     """
-    return _parallelize(model, ctx, config, DENSE, tensor_parallel or TensorParallelConfig())
+    return _parallelize(model, ctx, config, DENSE, tensor_parallel or TensorParallelConfig(), context=context)
 
 
 def parallelize_qwen3_moe(
@@ -85,6 +89,7 @@ def parallelize_qwen3_moe(
     config: AnyDataParallelConfig,
     *,
     tensor_parallel: TensorParallelConfig | None = None,
+    context: ContextParallelConfig | None = None,
 ) -> GradientSync:
     """Like `parallelize_qwen3_dense`. With `ep == 1` experts are data-parallel parameters (sharded along the expert
     dimension under FSDP); with `tp > 1` each MoE block routes its rank's sequence shard and is sharded over
@@ -94,9 +99,9 @@ def parallelize_qwen3_moe(
     Raises:
         ValueError: the model's shapes do not divide by `tp`, `kind='replicate'` with `tp > 1` or `ep > 1`, or an `ep`
             that does not divide the experts.
-        NotImplementedError: the topology has cp above 1, ep and tp both above 1, or pp and tp both above 1.
+        NotImplementedError: the topology has ep and tp both above 1, or pp and tp both above 1.
     """
-    return _parallelize(model, ctx, config, MOE, tensor_parallel or TensorParallelConfig())
+    return _parallelize(model, ctx, config, MOE, tensor_parallel or TensorParallelConfig(), context=context)
 
 
 def _parallelize(
@@ -105,6 +110,8 @@ def _parallelize(
     config: AnyDataParallelConfig,
     family: Qwen3FamilyPlan,
     tensor_parallel: TensorParallelConfig,
+    *,
+    context: ContextParallelConfig | None,
 ) -> GradientSync:
     _refuse_unsupported(ctx, family)
     tp = ctx.degrees.tp
@@ -123,6 +130,7 @@ def _parallelize(
         apply_qwen3_tensor_parallel(
             model, ctx.mesh_for(MeshDomain.DENSE)["tp"], family.tensor_parallel(model), tensor_parallel
         )
+    parallelize_context(model, ctx, context)
     if ctx.degrees.ep > 1:
         _expert_parallel(model, ctx, config, family)
     return _data_parallel(model, ctx, config)
@@ -151,13 +159,13 @@ def _expert_parallel(
 
 def _refuse_unsupported(ctx: DistributedContext, family: Qwen3FamilyPlan) -> None:
     degrees = ctx.degrees
-    checked = ("cp", "ep") if not family.has_experts else ("cp",)
+    checked = ("ep",) if not family.has_experts else ()
     asked = {name: getattr(degrees, name) for name in checked if getattr(degrees, name) > 1}
     if asked:
         shown = ", ".join(f"{name}={size}" for name, size in asked.items())
         raise NotImplementedError(
-            f"{family.name}: {shown} is not supported yet (context parallelism is planned; expert parallelism needs "
-            "MoE layers); use pp, dp_replicate, dp_shard and tp only, with cp=1 (and ep=1 without experts)."
+            f"{family.name}: {shown} is not supported yet (expert parallelism needs MoE layers); use ep=1 "
+            "for a model without experts."
         )
 
 
