@@ -140,6 +140,9 @@ def test_bad_input_is_named():
         generate(model, [[1], []], GenerationConfig(max_new_tokens=2))
     with pytest.raises(ValueError, match="top_p"):
         SamplingConfig(top_p=1.5)
+    model.model.sequence_sharded = True  # what the context-parallel plan sets on the backbone
+    with pytest.raises(NotImplementedError, match="cp=1"):
+        generate(model, PROMPTS, GenerationConfig(max_new_tokens=2))
 
 
 FAMILIES = {

@@ -97,6 +97,12 @@ def _check_supported(model: nn.Module, config: GenerationConfig, decode: Callabl
     activations along the sequence: a one-token decode step cannot be split, so such a model is refused up front."""
     if config.stop_strings and decode is None:
         raise ValueError(f"stop_strings={config.stop_strings} need a decode callback to turn tokens into text")
+    for name, module in model.named_modules():
+        if getattr(module, "sequence_sharded", False):
+            raise NotImplementedError(
+                f"generation does not support context-parallel models ({name or 'the model'} holds a shard of every "
+                "sequence); generate with cp=1"
+            )
     for name, parameter in model.named_parameters():
         mesh = getattr(parameter, "device_mesh", None)
         names = getattr(mesh, "mesh_dim_names", None) or ()
