@@ -173,3 +173,31 @@ def test_local_multiple_choice_task_runs_through_simple_evaluate(lm, tmp_path, m
         scores = [lm.loglikelihood([_request("loglikelihood", (doc["context"], c))])[0][0] for c in doc["choices"]]
         correct += int(max(range(len(scores)), key=scores.__getitem__) == doc["label"])
     assert accuracy == pytest.approx(correct / len(docs))
+
+
+@pytest.mark.filterwarnings("ignore:FSDP2-wrapped module.*returned a view tensor:UserWarning")
+@pytest.mark.distributed(world_size=2, timeout=180)
+def test_adapter_on_an_fsdp_sharded_model_equals_single_process():
+    from d9d.core.dist import DistributedContext, MeshDegrees
+    from d9d.models.qwen3 import parallelize_qwen3_dense
+    from d9d.parallel import FsdpConfig
+
+    codec = _codec()
+    params = qwen3_dense_parameters_from_hf(
+        {**DENSE_HF, "vocab_size": codec.tokenizer.get_vocab_size(), "num_hidden_layers": 2}
+    )
+    ctx = DistributedContext.build(MeshDegrees(dp_shard=2))
+    with torch.device("meta"):
+        sharded = Qwen3DenseForCausalLM(params, config=EAGER)
+    parallelize_qwen3_dense(sharded, ctx, FsdpConfig())
+    torch.manual_seed(0)
+    materialize_(sharded, "cpu")
+    reference = _model(codec.tokenizer.get_vocab_size())
+    ours = D9dHarnessLM(sharded, codec, max_length=64, batch_size=2, process_group=torch.distributed.group.WORLD)
+    theirs = D9dHarnessLM(reference, codec, max_length=64, batch_size=2)
+    pairs = [(TEXT[0], " " + TEXT[1]), ("", TEXT[3]), ("Thou art", " more lovely")]
+    requests = [_request("loglikelihood", pair, i) for i, pair in enumerate(pairs)]
+    for (a, greedy_a), (b, greedy_b) in zip(ours.loglikelihood(requests), theirs.loglikelihood(requests), strict=True):
+        assert a == pytest.approx(b, abs=1e-5) and greedy_a == greedy_b
+    until = [_request("generate_until", ("Of Man's first", {"until": ["\n"], "max_gen_toks": 6}))]
+    assert ours.generate_until(until) == theirs.generate_until(until)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from lm_eval.api.model import LM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from torch import nn
@@ -74,7 +75,11 @@ class _Scored:
 
 class D9dHarnessLM(LM):  # type: ignore[misc]  # lm_eval ships no type information
     """`model`: a whole causal LM of the catalogue on its device (eval mode is set). `max_length`: the longest
-    sequence one forward sees (longer contexts lose their oldest tokens). `batch_size`: requests per forward."""
+    sequence one forward sees (longer contexts lose their oldest tokens). `batch_size`: requests per forward.
+
+    An FSDP-sharded model works when every rank of `process_group` runs the same requests (lm_eval sees one
+    process: `rank` 0, `world_size` 1): scoring then makes the same forwards everywhere, and generation keeps
+    stepping until every rank has stopped."""
 
     def __init__(
         self,
@@ -84,6 +89,7 @@ class D9dHarnessLM(LM):  # type: ignore[misc]  # lm_eval ships no type informati
         max_length: int = 2048,
         batch_size: int = 8,
         max_gen_toks: int = 256,
+        process_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         if max_length < 2:
@@ -94,6 +100,7 @@ class D9dHarnessLM(LM):  # type: ignore[misc]  # lm_eval ships no type informati
         self.codec = codec
         self.max_length, self.batch_size, self.max_gen_toks = max_length, batch_size, max_gen_toks
         self._device = next(model.parameters()).device
+        self.process_group = process_group
 
     @property
     def tokenizer_name(self) -> str:
@@ -172,7 +179,9 @@ class D9dHarnessLM(LM):  # type: ignore[misc]  # lm_eval ships no type informati
                 prompts = [
                     (self.codec.encode(requests[i].args[0]) or [self.codec.eos_token_id])[-budget:] for i in chunk
                 ]
-                result = generate(self.model, prompts, config, decode=self.codec.decode)
+                result = generate(
+                    self.model, prompts, config, decode=self.codec.decode, process_group=self.process_group
+                )
                 for index, text in zip(chunk, result.texts or [], strict=True):
                     outputs[index] = text
         return [text or "" for text in outputs]
