@@ -45,9 +45,11 @@ for part in "$@"; do case $part in
     python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/parallel tests/pipeline tests/core 2>&1 \
       | tee "$out/gpu-tests.log" | tail -15 ;;
   kernels)
-    [ -f bench/kernels.py ] && timeout 240 python3 bench/kernels.py --json "$out/kernels.json" 2>&1 | tee "$out/kernels.log" | grep -E "^[|#]"
-    run 0 120 trainer.log bench/trainer_step.py --model dense
-    run 0 120 trainer.log bench/trainer_step.py --model moe ;;
+    timeout 200 python3 bench/kernels.py --json "$out/kernels.json" 2>&1 | tee "$out/kernels.log" | grep -E "^[|#]"
+    for flags in "--kernels eager" "--kernels triton" "--kernels triton --compile"; do
+      run 0 120 trainer.log bench/trainer_step.py --model dense $flags; done
+    for flags in "--kernels eager" "--kernels triton"; do
+      run 0 100 trainer.log bench/trainer_step.py --model moe $flags; done ;;
   deepep)
     if [ -f /tmp/deepep.done ]; then tail -20 /tmp/deepep.log; cp /tmp/deepep.log "$out/"
       python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/parallel/test_gpu_expert_dispatch.py 2>&1 | tail -8

@@ -11,6 +11,10 @@ ending with a host sync on the loss all-reduce) is reported with MFU over 989 TF
       CUDA_VISIBLE_DEVICES=$1 torchrun --nproc-per-node $(( $(echo $1 | tr -cd , | wc -c) + 1 )) \\
         bench/trainer_step.py --model $2; done
     torchrun --nproc-per-node 2 bench/trainer_step.py --model dense --tiny --device cpu   # smoke run on CPU
+
+Ablation switches (docs/kernels.md): `--kernels eager|triton|auto` (the Triton kernels of d9d-kernels for RMSNorm,
+SwiGLU, RoPE, MoE permutation, the fused loss and, with `triton`, the grouped GEMM; `auto` is detection),
+`--compile` (regional compilation of every decoder layer), `--checkpoint none|full|selective`.
 """
 
 from __future__ import annotations
@@ -61,6 +65,37 @@ class CausalLMTask:
         return LossResult(loss_sum=model(ids, labels=labels).losses.sum())
 
 
+def decoder_config_for(kernels: str, *, compile_layers: bool, checkpoint: str) -> DecoderConfig:
+    """The model's run options for one ablation row (`kernels`: eager, triton, or auto = detection; attention and
+    the grouped matmul stay on detection, i.e. SDPA and torch._grouped_mm on sm90+, except the grouped GEMM of
+    `triton`)."""
+    from d9d.kernels.grouped_mm import TritonGroupedMmConfig
+    from d9d.kernels.linear_cross_entropy import EagerLinearCrossEntropyConfig, TritonLinearCrossEntropyConfig
+    from d9d.kernels.moe_permute import EagerMoePermuteConfig, TritonMoePermuteConfig
+    from d9d.kernels.rms_norm import EagerRmsNormConfig, TritonRmsNormConfig
+    from d9d.kernels.rope import EagerRopeConfig, TritonRopeConfig
+    from d9d.kernels.swiglu import EagerSwiGluConfig, TritonSwiGluConfig
+
+    options: dict[str, object] = {
+        "loss_chunk_size": 2048,
+        "compile_layers": compile_layers,
+        "activation_checkpointing": checkpoint != "none",
+        "checkpoint_policy": "selective" if checkpoint == "selective" else "full",
+    }
+    if kernels == "eager":
+        options |= {
+            "rms_norm": EagerRmsNormConfig(), "swiglu": EagerSwiGluConfig(), "rope": EagerRopeConfig(),
+            "moe_permute": EagerMoePermuteConfig(), "linear_cross_entropy": EagerLinearCrossEntropyConfig(),
+        }  # fmt: skip
+    elif kernels == "triton":
+        options |= {
+            "grouped_mm": TritonGroupedMmConfig(), "rms_norm": TritonRmsNormConfig(), "swiglu": TritonSwiGluConfig(),
+            "rope": TritonRopeConfig(), "moe_permute": TritonMoePermuteConfig(),
+            "linear_cross_entropy": TritonLinearCrossEntropyConfig(),
+        }  # fmt: skip
+    return DecoderConfig.model_validate(options)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=["dense", "moe"], default="dense")
@@ -68,7 +103,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes, to check the script itself")
+    parser.add_argument("--kernels", choices=["eager", "triton", "auto"], default="eager")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (regional)")
+    parser.add_argument("--checkpoint", choices=["none", "full", "selective"], default="none")
     args = parser.parse_args()
+    decoder_config = decoder_config_for(args.kernels, compile_layers=args.compile, checkpoint=args.checkpoint)
     if args.device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     params: Qwen3DenseParameters = MOE if args.model == "moe" else DENSE
@@ -81,7 +120,7 @@ def main() -> None:
     def model_provider(ctx: DistributedContext, loader: ModelLoader | None) -> BuiltModel:
         cls = Qwen3MoeForCausalLM if isinstance(params, Qwen3MoeParameters) else Qwen3DenseForCausalLM
         with torch.device("meta"):
-            model = cls(params, config=DecoderConfig(loss_chunk_size=2048))  # type: ignore[arg-type]
+            model = cls(params, config=decoder_config)  # type: ignore[arg-type]
         parallelize = parallelize_qwen3_moe if args.model == "moe" else parallelize_qwen3_dense
         sync = parallelize(model, ctx, FsdpConfig(mixed_precision=MixedPrecisionConfig()))
         materialize_(model, ctx.device)
@@ -127,7 +166,8 @@ def main() -> None:
         print("| run | GPUs | tokens/s | tokens/s per GPU | MFU | peak memory (rank 0) |")
         print("|---|---|---|---|---|---|")
         print(
-            f"| d9d 0.1 Trainer {args.model}, FSDP, bf16 compute/fp32 reduce, AdamW | {dp} | {tokens_per_second:,.0f} "
+            f"| d9d 0.1 Trainer {args.model}, FSDP, bf16 compute/fp32 reduce, AdamW, kernels={args.kernels}, "
+            f"compile={args.compile}, checkpoint={args.checkpoint} | {dp} | {tokens_per_second:,.0f} "
             f"| {tokens_per_second / dp:,.0f} | {mfu:.1%} | {peak:.1f} GiB |",
             flush=True,
         )

@@ -11,8 +11,6 @@ import contextlib
 import pytest
 import torch
 
-from d9d.kernels.attention import EagerAttentionConfig
-from d9d.kernels.grouped_mm import EagerGroupedMmConfig
 from d9d.models import DecoderConfig, materialize_
 from d9d.models.qwen3 import Qwen3DenseForCausalLM, Qwen3DenseParameters, Qwen3MoeForCausalLM, Qwen3MoeParameters
 
@@ -77,7 +75,14 @@ def test_fast_backends_match_eager_backends_in_bf16(family, monkeypatch):
     monkeypatch.delenv("D9D_BACKEND_AUTO_GROUPED_MM", raising=False)
     cls, params = MODELS[family]
     fast = _build(cls, params, DecoderConfig())
-    eager = _build(cls, params, DecoderConfig(attention=EagerAttentionConfig(), grouped_mm=EagerGroupedMmConfig()))
+    for family_name in ("RMS_NORM", "SWIGLU", "ROPE", "MOE_PERMUTE", "LINEAR_CROSS_ENTROPY"):
+        monkeypatch.delenv(f"D9D_BACKEND_AUTO_{family_name}", raising=False)
+    # Every kernel family eager (the Triton kernels are what `fast` detects on sm90+ with Triton installed).
+    eager = _build(cls, params, DecoderConfig.model_validate({
+        "attention": {"kind": "eager"}, "grouped_mm": {"kind": "eager"}, "rms_norm": {"kind": "eager"},
+        "swiglu": {"kind": "eager"}, "rope": {"kind": "eager"}, "moe_permute": {"kind": "eager"},
+        "linear_cross_entropy": {"kind": "eager"},
+    }))  # fmt: skip
     generator = torch.Generator(device=DEVICE).manual_seed(1)
     ids = torch.randint(0, 512, (2, 128), device=DEVICE, generator=generator)
     documents = torch.arange(128, device=DEVICE).div(50, rounding_mode="floor").expand(2, 128)

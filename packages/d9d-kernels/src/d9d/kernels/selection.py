@@ -64,3 +64,9 @@ def valid_kinds(adapter: TypeAdapter[Any]) -> list[str]:
     schema = adapter.json_schema()
     mapping = schema.get("discriminator", {}).get("mapping", {})
     return sorted(mapping)
+
+
+def triton_detected(capabilities: Capabilities) -> bool:
+    """Whether detection picks a family's Triton backend: a Hopper-class GPU (sm90+, what the autotuned configs are
+    for) with `triton` installed; never on CPU, where Triton only runs in its slow interpreter."""
+    return capabilities.cuda_at_least(9, 0) and capabilities.has_package("triton")

@@ -2,18 +2,29 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from d9d.kernels.attention import AnyAttentionConfig
 from d9d.kernels.expert_dispatch import AnyExpertDispatchConfig
 from d9d.kernels.grouped_mm import AnyGroupedMmConfig
+from d9d.kernels.linear_cross_entropy import AnyLinearCrossEntropyConfig
+from d9d.kernels.moe_permute import AnyMoePermuteConfig
+from d9d.kernels.rms_norm import AnyRmsNormConfig
+from d9d.kernels.rope import AnyRopeConfig
+from d9d.kernels.swiglu import AnySwiGluConfig
 
 
 class DecoderConfig(BaseModel):
     """Behaviour of a decoder model; changing it never changes the parameters or a checkpoint.
 
-    `attention` / `grouped_mm`: kernel backends (`None`: `D9D_BACKEND_AUTO_*`, else detected).
-    `activation_checkpointing`: `True` for every layer, or the global indices of the layers to checkpoint.
+    `attention` / `grouped_mm` / `rms_norm` / `swiglu` / `rope` / `moe_permute` / `linear_cross_entropy`: kernel
+    backends (`None`: `D9D_BACKEND_AUTO_<FAMILY>`, else detected: Triton on a CUDA GPU with Triton installed for the
+    last five, eager on CPU; see docs/kernels.md).
+    `activation_checkpointing`: `True` for every layer, or the global indices of the layers to checkpoint;
+    `checkpoint_policy`: `full` (recompute the whole layer) or `selective` (keep matmul and attention outputs).
+    `compile_layers`: compile each decoder layer's forward (`compile_backend`, regional compilation; FSDP2-safe).
     `loss_chunk_size`: tokens per chunk of the LM loss (bounds the logits held at once).
     `expert_dispatch`: the token exchange of expert parallelism (`None`: `D9D_BACKEND_AUTO_EXPERT_DISPATCH`, else
     detected); used only when the plan has `ep > 1`.
@@ -25,7 +36,15 @@ class DecoderConfig(BaseModel):
 
     attention: AnyAttentionConfig | None = None
     grouped_mm: AnyGroupedMmConfig | None = None
+    rms_norm: AnyRmsNormConfig | None = None
+    swiglu: AnySwiGluConfig | None = None
+    rope: AnyRopeConfig | None = None
+    moe_permute: AnyMoePermuteConfig | None = None
+    linear_cross_entropy: AnyLinearCrossEntropyConfig | None = None
     activation_checkpointing: bool | list[int] = False
+    checkpoint_policy: Literal["full", "selective"] = "full"
+    compile_layers: bool = False
+    compile_backend: str = "inductor"
     loss_chunk_size: int = Field(default=2048, gt=0)
     expert_dispatch: AnyExpertDispatchConfig | None = None
     moe_capacity_factor: float | None = Field(default=None, gt=0)

@@ -37,6 +37,7 @@ from d9d.core.optim import build_optimizer
 from d9d.flows.jobs.finetune.base import load_base, resolve_base
 from d9d.flows.jobs.finetune.config import FinetuneConfig
 from d9d.flows.jobs.launch import prepare_rank
+from d9d.flows.jobs.optimizer_kernels import register_optimizer_kernels
 from d9d.flows.jobs.pretrain.config import AnyModelConfig, Qwen3DenseModelConfig, Qwen3MoeModelConfig
 from d9d.flows.jobs.pretrain.program import (
     PackedCausalLMTask,
@@ -130,6 +131,7 @@ def run_finetune(config: FinetuneConfig, ctx: DistributedContext, events: EventB
         load_base(base, model, injections[-1])
 
     def optimizer_provider(model: nn.Module) -> Optimizer:
+        register_optimizer_kernels(config.optimizer)
         # Only what trains: the optimizer then holds state for the adapters alone.
         return build_optimizer(config.optimizer, [param for param in model.parameters() if param.requires_grad])
 

@@ -37,6 +37,7 @@ from d9d.core.loop import (
 from d9d.core.lr import build_lr_scheduler
 from d9d.core.optim import build_optimizer
 from d9d.flows.jobs.launch import emit_progress, prepare_rank
+from d9d.flows.jobs.optimizer_kernels import register_optimizer_kernels
 from d9d.flows.jobs.pretrain.config import (
     AnyModelConfig,
     PretrainConfig,
@@ -151,6 +152,7 @@ def run_pretrain(config: PretrainConfig, ctx: DistributedContext, events: EventB
     """Train on this rank (every rank of the job calls it with the same config); `events` sees the loop's events."""
 
     def optimizer_provider(model: nn.Module) -> Optimizer:
+        register_optimizer_kernels(config.optimizer)
         return build_optimizer(config.optimizer, model.parameters())
 
     def lr_provider(optimizer: Optimizer, total_steps: int) -> LRScheduler:

@@ -35,6 +35,7 @@ class StochasticAdamWConfig(_AdamWBase):
     kind: Literal["stochastic_adamw"] = "stochastic_adamw"
     seed: int = 0
     state_dtype: Literal["float32", "bfloat16"] = "float32"
+    fused: bool = False  # the registered fused step (see d9d.core.optim.fused_step); the PyTorch ops otherwise
 
 
 AnyOptimizerConfig = Annotated[AdamWConfig | StochasticAdamWConfig, Field(discriminator="kind")]
@@ -62,6 +63,7 @@ def build_optimizer(config: AnyOptimizerConfig, params: Iterable[torch.Tensor] |
                 weight_decay=config.weight_decay,
                 seed=config.seed,
                 state_dtype=torch.bfloat16 if config.state_dtype == "bfloat16" else torch.float32,
+                fused=config.fused,
             )
         case _:
             assert_never(config)

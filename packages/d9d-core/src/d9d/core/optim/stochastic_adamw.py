@@ -9,7 +9,8 @@ Randomness is counter-based: the noise for a parameter at a step comes from a ge
 counter, parameter index, the parameter's coordinates on the mesh dimensions it is sharded over). Replicas of a
 parameter therefore round identically and stay bit-equal, shards draw independent noise, and the optimizer's RNG
 state is just `(seed, counter)`, saved in its state dict under 'rng'. Parameters may be DTensors: the update runs
-on local shards and never communicates. A fused kernel can replace `_update` later with the same contract.
+on local shards and never communicates. With `fused=True` the registered `FusedStochasticAdamWStep` (see
+`fused_step`) does the arithmetic and the rounding in one kernel, with the same per-tensor seeds.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from d9d.core.optim.fused_step import AdamWStepParameters, registered_fused_stochastic_adamw_step
 from d9d.core.optim.stochastic_rounding import copy_stochastic_
 
 _PARAM, _EXP_AVG, _EXP_AVG_SQ = 0, 1, 2
@@ -35,6 +37,8 @@ class StochasticAdamW(Optimizer):
         lr, betas, eps, weight_decay: as in `torch.optim.AdamW`.
         seed: seed of the rounding noise; use the same on every rank.
         state_dtype: dtype of the moment estimates; float32 (default) or bfloat16 (stochastically rounded too).
+        fused: run the registered fused step (`register_fused_stochastic_adamw_step`) instead of PyTorch ops; the
+            same update, but its rounding noise comes from the kernel's generator, not `torch.Generator`.
     """
 
     def __init__(
@@ -47,6 +51,7 @@ class StochasticAdamW(Optimizer):
         weight_decay: float = 1e-2,
         seed: int = 0,
         state_dtype: torch.dtype = torch.float32,
+        fused: bool = False,
     ) -> None:
         if lr < 0 or eps < 0 or weight_decay < 0:
             raise ValueError(f"lr, eps and weight_decay must not be negative, got {lr}, {eps}, {weight_decay}")
@@ -56,6 +61,7 @@ class StochasticAdamW(Optimizer):
             raise ValueError(f"state_dtype must be torch.float32 or torch.bfloat16, got {state_dtype}")
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         self.state_dtype = state_dtype
+        self.fused_step = registered_fused_stochastic_adamw_step() if fused else None
         self.seed = seed
         self.rng_counter = 0
 
@@ -85,6 +91,19 @@ class StochasticAdamW(Optimizer):
         beta1, beta2 = group["betas"]
         lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
 
+        shard = _shard_coordinate(param)
+        if self.fused_step is not None:
+            hyper = AdamWStepParameters(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step)
+            seeds = (
+                self._seed(index, _PARAM, shard),
+                self._seed(index, _EXP_AVG, shard),
+                self._seed(index, _EXP_AVG_SQ, shard),
+            )
+            self.fused_step(
+                _local(param), _local(param.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),  # type: ignore[arg-type]
+                hyper=hyper, seeds=seeds,
+            )  # fmt: skip
+            return
         local_param = _local(param)
         grad = _local(param.grad).float()  # type: ignore[arg-type]
         exp_avg_slot, exp_avg_sq_slot = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
@@ -99,7 +118,6 @@ class StochasticAdamW(Optimizer):
         denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
         value.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
 
-        shard = _shard_coordinate(param)
         for slot, target, result in (
             (_PARAM, local_param, value),
             (_EXP_AVG, exp_avg_slot, exp_avg),
@@ -108,10 +126,12 @@ class StochasticAdamW(Optimizer):
             if target.data_ptr() != result.data_ptr():  # float32 slots were updated in place already
                 copy_stochastic_(target, result, generator=self._generator(index, slot, shard, target.device))
 
-    def _generator(self, index: int, slot: int, shard: tuple[int, ...], device: torch.device) -> torch.Generator:
+    def _seed(self, index: int, slot: int, shard: tuple[int, ...]) -> int:
         key = repr((self.seed, self.rng_counter, index, slot, shard)).encode()
-        seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & (2**63 - 1)
-        return torch.Generator(device=device).manual_seed(seed)
+        return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & (2**63 - 1)
+
+    def _generator(self, index: int, slot: int, shard: tuple[int, ...], device: torch.device) -> torch.Generator:
+        return torch.Generator(device=device).manual_seed(self._seed(index, slot, shard))
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()

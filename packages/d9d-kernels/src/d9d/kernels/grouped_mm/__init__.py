@@ -7,6 +7,7 @@ from d9d.kernels.grouped_mm.config import (
     EagerGroupedMmConfig,
     GroupedGemmConfig,
     TorchGroupedMmConfig,
+    TritonGroupedMmConfig,
     build_grouped_mm,
     detect_grouped_mm_config,
     resolve_grouped_mm_config,
@@ -14,6 +15,7 @@ from d9d.kernels.grouped_mm.config import (
 from d9d.kernels.grouped_mm.eager import EagerGroupedMm
 from d9d.kernels.grouped_mm.grouped_gemm import GroupedGemm
 from d9d.kernels.grouped_mm.torch_mm import TorchGroupedMm
+from d9d.kernels.grouped_mm.triton import TritonGroupedMm
 
 __all__ = [
     "GROUPED_MM_CONFIG_ADAPTER",
@@ -25,6 +27,8 @@ __all__ = [
     "GroupedMm",
     "TorchGroupedMm",
     "TorchGroupedMmConfig",
+    "TritonGroupedMm",
+    "TritonGroupedMmConfig",
     "build_grouped_mm",
     "detect_grouped_mm_config",
     "resolve_grouped_mm_config",

@@ -11,6 +11,7 @@ from d9d.kernels.grouped_mm.api import GroupedMm
 from d9d.kernels.grouped_mm.eager import EagerGroupedMm
 from d9d.kernels.grouped_mm.grouped_gemm import GroupedGemm
 from d9d.kernels.grouped_mm.torch_mm import TorchGroupedMm
+from d9d.kernels.grouped_mm.triton import TritonGroupedMm
 from d9d.kernels.selection import resolve_backend_config
 
 FAMILY = "grouped_mm"
@@ -37,8 +38,16 @@ class GroupedGemmConfig(BaseModel):
     kind: Literal["grouped_gemm"] = "grouped_gemm"
 
 
+class TritonGroupedMmConfig(BaseModel):
+    """The Triton grouped GEMM (optional extra `triton`): forward and both backward halves, no host sync."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    kind: Literal["triton"] = "triton"
+
+
 AnyGroupedMmConfig = Annotated[
-    EagerGroupedMmConfig | TorchGroupedMmConfig | GroupedGemmConfig, Field(discriminator="kind")
+    EagerGroupedMmConfig | TorchGroupedMmConfig | GroupedGemmConfig | TritonGroupedMmConfig,
+    Field(discriminator="kind"),
 ]
 GROUPED_MM_CONFIG_ADAPTER: TypeAdapter[AnyGroupedMmConfig] = TypeAdapter(AnyGroupedMmConfig)
 
@@ -77,5 +86,7 @@ def build_grouped_mm(
             return TorchGroupedMm()
         case GroupedGemmConfig():
             return GroupedGemm()
+        case TritonGroupedMmConfig():
+            return TritonGroupedMm()
         case _:
             assert_never(resolved)

@@ -6,9 +6,10 @@ import torch
 from torch import nn
 
 from d9d.kernels.attention import AttentionBackend, AttentionMask
+from d9d.kernels.rope import EagerRope, RopeKernel
 from d9d.models.blocks.late_init import init_normal_, init_zeros_
 from d9d.models.blocks.norm import RMSNorm
-from d9d.models.blocks.rope import RopeTables
+from d9d.models.blocks.rope import RopeStyle, RopeTables
 
 
 class GroupedQueryAttention(nn.Module):
@@ -40,6 +41,7 @@ class GroupedQueryAttention(nn.Module):
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
         self.q_norm = RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
+        self.rope_kernel: RopeKernel = EagerRope()  # rotates q and k together (one Triton launch when swapped in)
 
     def reset_parameters(self) -> None:
         for linear in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
@@ -58,7 +60,7 @@ class GroupedQueryAttention(nn.Module):
         value = self.v_proj(hidden).view(batch, seq, -1, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             query, key = self.q_norm(query), self.k_norm(key)
-        query, key = rope.apply(query), rope.apply(key)
+        query, key = self.rope_kernel(query, key, rope.cos, rope.sin, interleaved=rope.style == RopeStyle.INTERLEAVED)
         out = self.backend(query, key, value, mask=mask, scale=self.head_dim**-0.5)
         projected: torch.Tensor = self.o_proj(out.reshape(batch, seq, -1))
         return projected

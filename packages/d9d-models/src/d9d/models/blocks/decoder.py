@@ -13,10 +13,12 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from d9d.models.blocks.checkpointing import run_layer, set_activation_checkpointing
+from d9d.models.blocks.checkpointing import CheckpointPolicy, run_layer, set_activation_checkpointing
+from d9d.models.blocks.compilation import compile_layer
 from d9d.models.blocks.embedding import SplitTokenEmbedding
 from d9d.models.blocks.head import SplitLanguageModellingHead
 from d9d.models.blocks.inputs import CausalLMOutput, causal_mask, resolve_positions
+from d9d.models.blocks.kernels import apply_block_kernels, build_block_kernels
 from d9d.models.blocks.norm import RMSNorm
 from d9d.models.blocks.rope import RotaryEmbedding
 from d9d.models.config import DecoderConfig
@@ -63,9 +65,13 @@ class DecoderBackbone(nn.Module):
         self.layers = nn.ModuleDict()
         for index in stage.layers(params.num_layers):
             layer = with_role(build_layer(index), Role.DECODER_LAYER)
-            set_activation_checkpointing(layer, config.checkpoints_layer(index))
+            checkpointed = config.checkpoints_layer(index)
+            set_activation_checkpointing(layer, CheckpointPolicy(config.checkpoint_policy) if checkpointed else False)
+            if config.compile_layers:
+                compile_layer(layer, backend=config.compile_backend)
             self.layers[str(index)] = layer
         self.norm = RMSNorm(params.hidden_size, eps=params.rms_norm_eps) if stage.is_last else None
+        apply_block_kernels(self, build_block_kernels(config))
         # Set by a context-parallel plan: each rank then holds a shard of every sequence, whose positions cannot be
         # derived locally (see d9d.parallel.context.shard_batch_for_context).
         self.sequence_sharded = False
@@ -128,6 +134,8 @@ class DecoderForCausalLM(nn.Module):
             if stage.is_last
             else None
         )
+        if self.lm_head is not None:
+            apply_block_kernels(self.lm_head, build_block_kernels(config))
 
     def forward(
         self,

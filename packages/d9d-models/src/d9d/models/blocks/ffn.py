@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn import functional
 
+from d9d.kernels.swiglu import EagerSwiGlu, SwiGluKernel
 from d9d.models.blocks.late_init import init_normal_
 
 
@@ -16,11 +16,12 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.swiglu_kernel: SwiGluKernel = EagerSwiGlu()  # silu(gate) * up; a Triton kernel via apply_block_kernels
 
     def reset_parameters(self) -> None:
         for linear in (self.gate_proj, self.up_proj, self.down_proj):
             init_normal_(linear.weight, self.init_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.down_proj(functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        out: torch.Tensor = self.down_proj(self.swiglu_kernel(self.gate_proj(x), self.up_proj(x)))
         return out

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from d9d.kernels.linear_cross_entropy import LinearCrossEntropyKernel
 from d9d.models.blocks.embedding import check_segments, weight_of
 from d9d.models.blocks.late_init import init_normal_
 from d9d.models.blocks.loss import chunked_linear_cross_entropy
@@ -23,6 +24,8 @@ class SplitLanguageModellingHead(nn.Module):
         super().__init__()
         self.init_std = init_std
         self.loss_chunk_size = loss_chunk_size
+        # None: the chunked PyTorch loss of `blocks.loss`; a `d9d.kernels.linear_cross_entropy` backend otherwise.
+        self.loss_kernel: LinearCrossEntropyKernel | None = None
         self.segments = nn.ModuleDict(
             {name: nn.Linear(hidden_size, size, bias=False) for name, size in check_segments(segments).items()}
         )
@@ -54,4 +57,6 @@ class SplitLanguageModellingHead(nn.Module):
             return vocab_parallel_cross_entropy(hidden, weight, labels, chunk_size=self.loss_chunk_size)
         if labels is None:
             return self.logits(hidden)
+        if self.loss_kernel is not None:
+            return self.loss_kernel(hidden, weight, labels, chunk_size=self.loss_chunk_size)
         return chunked_linear_cross_entropy(hidden, weight, labels, chunk_size=self.loss_chunk_size)

@@ -53,8 +53,9 @@ class Qwen3DenseLayer(nn.Module):
         self.mlp = SwiGLU(params.hidden_size, params.intermediate_size, init_std=params.init_std)
 
     def forward(self, hidden: torch.Tensor, rope: RopeTables, mask: AttentionMask) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, mask)
-        out: torch.Tensor = hidden + self.mlp(self.post_attention_layernorm(hidden))
+        attended = self.self_attn(self.input_layernorm(hidden), rope, mask)
+        normed, hidden = self.post_attention_layernorm.add_and_norm(attended, hidden)  # one kernel: add, then norm
+        out: torch.Tensor = hidden + self.mlp(normed)
         return out
 
 

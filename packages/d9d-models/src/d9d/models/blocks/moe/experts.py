@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.nn import functional
 
 from d9d.kernels.grouped_mm import GroupedMm
+from d9d.kernels.swiglu import EagerSwiGlu, SwiGluKernel
 from d9d.models.blocks.late_init import init_normal_
 
 
@@ -50,6 +50,7 @@ class GroupedSwiGLU(nn.Module):
         self.gate_proj = GroupedLinear(num_experts, hidden_size, intermediate_size, backend=backend)
         self.up_proj = GroupedLinear(num_experts, hidden_size, intermediate_size, backend=backend)
         self.down_proj = GroupedLinear(num_experts, intermediate_size, hidden_size, backend=backend)
+        self.swiglu_kernel: SwiGluKernel = EagerSwiGlu()
 
     def set_backend(self, backend: GroupedMm) -> None:
         for linear in (self.gate_proj, self.up_proj, self.down_proj):
@@ -66,6 +67,6 @@ class GroupedSwiGLU(nn.Module):
             init_normal_(linear.weight, self.init_std)
 
     def forward(self, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
-        hidden = functional.silu(self.gate_proj(x, group_sizes)) * self.up_proj(x, group_sizes)
+        hidden = self.swiglu_kernel(self.gate_proj(x, group_sizes), self.up_proj(x, group_sizes))
         out: torch.Tensor = self.down_proj(hidden, group_sizes)
         return out

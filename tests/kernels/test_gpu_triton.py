@@ -1,0 +1,159 @@
+"""The Triton kernels at the anchor shapes on a GPU, forward and backward, against the eager references (bf16).
+
+Marked `gpu`: skipped cleanly without CUDA. Tolerances: bf16 outputs carry one rounding (2^-8 relative) and the
+kernels keep float32 where eager rounds an intermediate to bf16, so values differ by about one bf16 ulp; reductions
+over thousands of rows (weight gradients) are compared by relative norm error instead of elementwise.
+"""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+def _bf16(*shape, seed, scale=1.0):
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(*shape, device="cuda", generator=generator) * scale).to(torch.bfloat16)
+
+
+def _relative(got, want):
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+def _fwd_bwd(fn, inputs, grads):
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    outs = fn(*leaves)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    torch.autograd.backward(list(outs), grads[: len(outs)])
+    return [o.detach() for o in outs], [t.grad for t in leaves]
+
+
+def _compare(triton_fn, eager_fn, inputs, grads, *, elementwise=2e-2, norm=1e-2):
+    got_out, got_grads = _fwd_bwd(triton_fn, inputs, grads)
+    want_out, want_grads = _fwd_bwd(eager_fn, inputs, grads)
+    for got, want in zip(got_out, want_out, strict=True):
+        torch.testing.assert_close(got.float(), want.float(), atol=elementwise, rtol=elementwise)
+    for got, want in zip(got_grads, want_grads, strict=True):
+        assert _relative(got, want) < norm
+
+
+def test_rms_norm_with_residual_at_anchor_shape():
+    from d9d.kernels.rms_norm import TritonRmsNorm, rms_norm_reference
+
+    x, r, w = _bf16(16384, 1024, seed=0), _bf16(16384, 1024, seed=1), 1 + _bf16(1024, seed=2, scale=0.1)
+    grads = [_bf16(16384, 1024, seed=3), _bf16(16384, 1024, seed=4)]
+    kernel = TritonRmsNorm()
+    _compare(
+        lambda x, r, w: kernel(x, w, eps=1e-6, residual=r),
+        lambda x, r, w: rms_norm_reference(x, w, eps=1e-6, residual=r),
+        [x, r, w],
+        grads,
+    )
+
+
+def test_swiglu_at_anchor_shape():
+    from d9d.kernels.swiglu import TritonSwiGlu, swiglu_reference
+
+    gate, up = _bf16(16384, 3072, seed=0, scale=2.0), _bf16(16384, 3072, seed=1)
+    _compare(TritonSwiGlu(), swiglu_reference, [gate, up], [_bf16(16384, 3072, seed=2)])
+
+
+def test_rope_q_and_k_at_anchor_shape():
+    from d9d.kernels.rope import TritonRope, rope_reference
+
+    q, k = _bf16(4, 4096, 16, 128, seed=0), _bf16(4, 4096, 8, 128, seed=1)
+    inv = 1.0 / (1e6 ** (torch.arange(0, 128, 2, device="cuda") / 128))
+    angles = torch.arange(4096, device="cuda")[:, None] * inv
+    angles = torch.cat([angles, angles], dim=-1)[None].expand(4, 4096, 128)
+    cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+    kernel = TritonRope()
+    _compare(
+        lambda q, k: kernel(q, k, cos, sin),
+        lambda q, k: (rope_reference(q, cos, sin), rope_reference(k, cos, sin)),
+        [q, k],
+        [_bf16(*q.shape, seed=2), _bf16(*k.shape, seed=3)],
+    )
+
+
+def test_fused_linear_cross_entropy_at_full_vocabulary():
+    from d9d.kernels.linear_cross_entropy import TritonLinearCrossEntropy, linear_cross_entropy_reference
+
+    hidden, weight = _bf16(4096, 1024, seed=0), _bf16(151936, 1024, seed=1, scale=0.02)
+    labels = torch.randint(0, 151936, (4096,), device="cuda")
+    labels[:100] = -100
+    kernel = TritonLinearCrossEntropy()
+    # Losses: float32 from bf16 logits in both; gradients: bf16 matmuls over 151,936 / 4,096 terms.
+    _compare(
+        lambda h, w: kernel(h, w, labels, chunk_size=2048),
+        lambda h, w: linear_cross_entropy_reference(h, w, labels),
+        [hidden, weight],
+        [torch.rand(4096, device="cuda")],
+        elementwise=1e-3,
+    )
+
+
+def test_moe_permute_at_anchor_shape():
+    from d9d.kernels.moe_permute import EagerMoePermute, TritonMoePermute, sort_by_expert
+
+    tokens, top_k, experts = 8192, 8, 64
+    indices = torch.rand(tokens, experts, device="cuda").argsort(dim=1)[:, :top_k]
+    order, inverse, sizes = sort_by_expert(indices, experts)
+    assert int(sizes.sum()) == tokens * top_k
+    weights = torch.softmax(torch.randn(tokens, top_k, device="cuda"), dim=-1).to(torch.bfloat16)
+
+    def routed(permuter):
+        return lambda x, w: permuter.unpermute(permuter.permute(x, order, top_k) * 1.5, inverse, w)
+
+    _compare(
+        routed(TritonMoePermute()), routed(EagerMoePermute()), [_bf16(tokens, 1024, seed=0), weights],
+        [_bf16(tokens, 1024, seed=1)],
+    )  # fmt: skip
+
+
+def test_grouped_gemm_at_anchor_shape_with_skewed_groups():
+    from d9d.kernels.grouped_mm import EagerGroupedMm, TritonGroupedMm
+
+    sizes = torch.tensor(
+        [4 * 1024 + 512] * 4 + [1024 - 17] * 56 + [0] * 3 + [65536 - 4 * 4608 - 56 * 1007], device="cuda"
+    )
+    assert int(sizes.sum()) == 65536
+    x, w = _bf16(65536, 1024, seed=0), _bf16(64, 768, 1024, seed=1, scale=1024**-0.5)
+    _compare(
+        lambda a, b: TritonGroupedMm()(a, b, sizes),
+        lambda a, b: EagerGroupedMm()(a, b, sizes),
+        [x, w],
+        [_bf16(65536, 768, seed=2)],
+        elementwise=3e-2,
+    )
+
+
+def test_stochastic_adamw_step_matches_the_reference_within_one_ulp():
+    from d9d.core.optim import StochasticAdamW
+    from d9d.kernels.adamw import register_triton_stochastic_adamw
+
+    register_triton_stochastic_adamw()
+    fused = torch.nn.Parameter(_bf16(2**24, seed=0))
+    plain = torch.nn.Parameter(fused.detach().clone())
+    for param, is_fused in ((fused, True), (plain, False)):
+        param.grad = _bf16(2**24, seed=1)
+        StochasticAdamW([param], fused=is_fused, lr=1e-2).step()
+    ulp = torch.finfo(torch.bfloat16).eps * plain.detach().float().abs()
+    assert torch.all((fused.detach().float() - plain.detach().float()).abs() <= ulp * 1.0001)
+
+
+def test_inductor_compiles_a_block_through_the_custom_ops():
+    from d9d.kernels.rms_norm import TritonRmsNorm
+    from d9d.kernels.swiglu import TritonSwiGlu
+
+    norm, act = TritonRmsNorm(), TritonSwiGlu()
+    w = torch.nn.Parameter(torch.ones(1024, device="cuda", dtype=torch.bfloat16))
+    up = torch.nn.Linear(1024, 2 * 2048, device="cuda", dtype=torch.bfloat16)
+
+    def block(x, r):
+        normed, summed = norm(x, w, eps=1e-6, residual=r)
+        gate, value = up(normed).chunk(2, dim=-1)
+        return act(gate, value).sum() + summed.float().sum()
+
+    x, r = _bf16(4096, 1024, seed=0).requires_grad_(), _bf16(4096, 1024, seed=1)
+    torch.compile(block, fullgraph=True)(x, r).backward()
+    assert x.grad is not None and torch.isfinite(x.grad.float()).all()
