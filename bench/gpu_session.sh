@@ -41,12 +41,15 @@ for part in "$@"; do case $part in
     run 0,1,2,3 180 tp.log $B --tp 2 --compile --steps 8 --warmup 3
     run 0,1,2,3 180 tp.log $B --tp 2 --compile --async-tp --steps 8 --warmup 3 ;;
   pipeline)
-    run 0,1,2,3 300 pp.log bench/pipeline_schedules.py --steps 6 --warmup 2 ;;
+    # One launch per schedule so that one failure keeps the others' rows.
+    for schedule in 1f1b interleaved_1f1b zbv dualpipe_v; do
+      run 0,1,2,3 100 pp.log bench/pipeline_schedules.py --schedules $schedule --steps 5 --warmup 2 --profile-steps 1
+    done ;;
   gputests)
-    timeout 240 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/parallel tests/pipeline 2>&1 \
-      | tee "$out/gpu-tests.log" | tail -15 ;;
+    timeout 150 python3 -m pytest -v -p no:cacheprovider -rfE -m gpu tests/parallel tests/pipeline 2>&1 \
+      | tee "$out/gpu-tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | cut -c1-200 ;;
   generation)
-    timeout 240 python3 bench/generation.py 2>&1 | tee "$out/generation.log" | grep -E "^[|#]" ;;
+    timeout 200 python3 bench/generation.py 2>&1 | tee "$out/generation.log" | grep -E "^[|#]" ;;
   kernels)
     timeout 200 python3 bench/kernels.py --json "$out/kernels.json" 2>&1 | tee "$out/kernels.log" | grep -E "^[|#]"
     for flags in "--kernels eager" "--kernels triton" "--kernels triton --compile"; do
