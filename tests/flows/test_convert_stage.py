@@ -1,4 +1,4 @@
-"""The convert stage (no Prefect): named mappings from `d9d.models.catalogue`, the random embedded source, the
+"""The convert stage (no Prefect): named mappings from `d9d.models.conversions`, the random embedded source, the
 stage contract (skip when the manifest matches, rerun when the mapping or the source changes), `d9d convert`."""
 
 import json
@@ -9,7 +9,8 @@ from d9d.flows.cli import main
 from d9d.flows.jobs.contract import StageManifest
 from d9d.flows.jobs.convert import ConvertConfig, convert_model
 from d9d.models import materialize_
-from d9d.models.qwen3 import Qwen3MoeForCausalLM, Qwen3MoeParameters
+from d9d.models.catalogue import read_parameters
+from d9d.models.qwen3 import Qwen3MoeForCausalLM
 from d9d.states import load_model_state
 from d9d.states.io.source import CheckpointSource
 
@@ -19,7 +20,7 @@ def test_embedded_default_converts_a_random_hf_checkpoint_and_then_skips(tmp_pat
     first = convert_model(ConvertConfig(), output)
     assert first.status == "ran"
     checkpoint = output / "checkpoint"
-    params = Qwen3MoeParameters.model_validate_json((checkpoint / "parameters.json").read_text())
+    params = read_parameters(checkpoint)
     with torch.device("meta"):
         model = Qwen3MoeForCausalLM(params)
     materialize_(model, "cpu").to(torch.bfloat16)  # the embedded source is stored in bf16

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from d9d.models.catalogue import describe_mappings, named_mapping
+from d9d.models.conversions import describe_mappings, named_mapping
 from d9d.states import DEFAULT_SHARD_BYTES, StatesError, convert_checkpoint
 
 

@@ -19,7 +19,7 @@ from d9d.flows.jobs.contract import (
 )
 from d9d.flows.jobs.convert.config import ConvertConfig
 from d9d.flows.jobs.progress import NoProgress, Progress
-from d9d.models.catalogue import named_mapping
+from d9d.models.conversions import named_mapping
 from d9d.models.qwen3 import Qwen3DenseParameters, Qwen3MoeParameters
 from d9d.models.random_checkpoint import TINY_QWEN3_MOE, write_random_hf_checkpoint
 from d9d.states import convert_checkpoint

@@ -65,10 +65,12 @@ def build_trainer(
         clipper=clipper,
         tracker=tracker,
         flops_per_token=built.flops_per_token,
-        load_balancer=built.load_balancer,
         aux_losses=built.aux_losses,
     )
-    return Trainer(ctx, config, parts, events=events)
+    trainer = Trainer(ctx, config, parts, events=events)
+    for subscriber in built.subscribers:
+        subscriber.subscribe(trainer.events)
+    return trainer
 
 
 def build_inference(

@@ -1,5 +1,6 @@
 """Mixture of experts: router, grouped experts, permutation, auxiliary losses, the layer."""
 
+from d9d.models.blocks.moe.balancing import MoeBiasBalancer, moe_bias_balancer
 from d9d.models.blocks.moe.experts import GroupedLinear, GroupedSwiGLU
 from d9d.models.blocks.moe.layer import MoELayer
 from d9d.models.blocks.moe.losses import attach_aux_loss, load_balancing_loss, router_z_loss
@@ -12,6 +13,7 @@ __all__ = [
     "GroupedLinear",
     "GroupedSwiGLU",
     "MoELayer",
+    "MoeBiasBalancer",
     "PermutedTokens",
     "RouterScoring",
     "RoutingResult",
@@ -20,6 +22,7 @@ __all__ = [
     "aux_loss_weights",
     "force_routing",
     "load_balancing_loss",
+    "moe_bias_balancer",
     "permute_tokens",
     "router_z_loss",
     "unpermute_tokens",
