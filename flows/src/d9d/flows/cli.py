@@ -13,7 +13,6 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any
 
 import yaml
 
@@ -21,19 +20,12 @@ from d9d.flows.deployments import DEPLOYMENT_COMMANDS, add_deployment_commands, 
 from d9d.flows.jobs.config import JobConfig
 from d9d.flows.jobs.contract import StageBusyError, StageResult
 from d9d.flows.jobs.convert import add_convert_command, run_convert_command
-from d9d.flows.jobs.data_prep import CorpusError, SplitError, TokenizerError, preflight
+from d9d.flows.jobs.data_prep import CorpusError, SplitError, TokenizerError
 from d9d.flows.jobs.launch import LaunchCancelled
 from d9d.flows.jobs.loading import JobConfigError, load_job_config
-from d9d.flows.jobs.preflight import (
-    PreflightError,
-    preflight_evaluate,
-    preflight_finetune,
-    preflight_finetune_data,
-    preflight_pretrain,
-    require_inputs,
-)
 from d9d.flows.jobs.presets import describe_presets
-from d9d.flows.jobs.stage_names import PIPELINE, STAGE_SECTIONS
+from d9d.flows.jobs.stage_spec import PreflightError
+from d9d.flows.jobs.stages import PIPELINE, STAGES, preflight
 
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
@@ -57,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=f"presets:\n{describe_presets()}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    run.add_argument("target", choices=["pipeline", *STAGE_SECTIONS], help="pipeline, or a stage name")
+    run.add_argument("target", choices=["pipeline", *STAGES], help="pipeline, or a stage name")
     _config_arguments(run)
     show = commands.add_parser("show-config", help="print the job config that a run would use, as YAML")
     _config_arguments(show)
@@ -91,39 +83,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stdout.write(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
             return 0
         stages = PIPELINE if args.target == "pipeline" else (args.target,)
-        _preflight(config, stages)
+        preflight(config, stages)
     except INPUT_ERRORS as error:
         sys.stderr.write(f"d9d: error: {error}\n")
         return EXIT_BAD_INPUT
     return _run(args.target, config, source=args.preset or str(args.config or "defaults"))
-
-
-def _preflight(config: JobConfig, stages: Sequence[str]) -> None:
-    for stage in stages:
-        match stage:
-            case "data-prep":
-                preflight(config.data_prep, config.data_prep_output)
-            case "finetune-data":
-                preflight_finetune_data(config)
-                require_inputs(config, stage, stages)
-            case "convert":
-                source = config.convert.source
-                if source is not None and not source.is_dir():
-                    raise JobConfigError(
-                        f"convert.source={source} is not a checkpoint directory; point it at a directory of "
-                        "*.safetensors files, or leave it unset to convert a random model of pretrain.model's shape."
-                    )
-            case "pretrain":
-                preflight_pretrain(config)
-                require_inputs(config, stage, stages)
-            case "finetune":
-                preflight_finetune(config)
-                require_inputs(config, stage, stages)
-            case "evaluate":
-                preflight_evaluate(config)
-                require_inputs(config, stage, stages)
-            case _:
-                raise AssertionError(f"stage {stage!r} has no preflight")
 
 
 class Terminated(KeyboardInterrupt):
@@ -148,14 +112,13 @@ def _run(target: str, config: JobConfig, *, source: str) -> int:
 
     from d9d.flows.console import TerminalProgress, set_progress
     from d9d.flows.pipeline import pipeline_flow
-    from d9d.flows.stages import STAGES
+    from d9d.flows.stage_flow import with_retries
 
-    job: dict[str, Any] = config.model_dump(mode="json")
-    flow = pipeline_flow if target == "pipeline" else STAGES[target].with_retries(config)
+    flow = pipeline_flow if target == "pipeline" else with_retries(target, config)
     set_progress(TerminalProgress())
     previous_sigterm = signal.signal(signal.SIGTERM, _terminated)
     try:
-        state = flow(job, return_state=True)
+        state = flow(config, return_state=True)  # the validated config itself: no second validation here
     except KeyboardInterrupt as interrupt:
         name = "SIGTERM" if isinstance(interrupt, Terminated) else "SIGINT"
         say(

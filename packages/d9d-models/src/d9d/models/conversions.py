@@ -15,7 +15,13 @@ from pathlib import Path
 
 import torch
 
-from d9d.models.catalogue import PARAMETERS_FILE, model_kind, read_parameters, write_parameters
+from d9d.models.catalogue import (
+    PARAMETERS_FILE,
+    AnyModelParameters,
+    model_kind,
+    read_parameters,
+    write_parameters,
+)
 from d9d.models.qwen3.huggingface import (
     Qwen3MoeExpertsFormat,
     detect_experts_format,
@@ -41,6 +47,7 @@ class NamedMapping:
     description: str
     factory: MappingFactory
     convert_config: Callable[[Path, Path, torch.dtype | None], None]
+    source_parameters: Callable[[Path], AnyModelParameters]  # the model a source directory holds, from its config
 
 
 def _require_family(metas: Mapping[str, TensorMeta], *, moe: bool, d9d_names: bool, name: str) -> None:
@@ -72,15 +79,28 @@ def _to_hf(name: str, *, moe: bool, experts_format: Qwen3MoeExpertsFormat) -> Ma
     return factory
 
 
+def _hf_parameters(*, moe: bool) -> Callable[[Path], AnyModelParameters]:
+    def read(source: Path) -> AnyModelParameters:
+        config_file = source / HF_CONFIG
+        if not config_file.is_file():
+            raise FileNotFoundError(f"{source} has no {HF_CONFIG}: the model's shape is unknown")
+        config = json.loads(config_file.read_text())
+        return qwen3_moe_parameters_from_hf(config) if moe else qwen3_dense_parameters_from_hf(config)
+
+    return read
+
+
+def _d9d_parameters(source: Path) -> AnyModelParameters:
+    if not (source / PARAMETERS_FILE).is_file():
+        raise FileNotFoundError(f"{source} has no {PARAMETERS_FILE}: the model's shape is unknown")
+    return read_parameters(source)
+
+
 def _hf_config_to_parameters(*, moe: bool) -> Callable[[Path, Path, torch.dtype | None], None]:
     def convert(source: Path, destination: Path, dtype: torch.dtype | None) -> None:
         del dtype
-        config_file = source / HF_CONFIG
-        if not config_file.is_file():
-            return
-        config = json.loads(config_file.read_text())
-        params = qwen3_moe_parameters_from_hf(config) if moe else qwen3_dense_parameters_from_hf(config)
-        write_parameters(destination, params)
+        if (source / HF_CONFIG).is_file():
+            write_parameters(destination, _hf_parameters(moe=moe)(source))
 
     return convert
 
@@ -114,30 +134,35 @@ def _entries() -> list[NamedMapping]:
             description="Hugging Face Qwen3 (dense) -> d9d; tied embeddings are untied",
             factory=_from_hf("qwen3-hf-to-d9d", moe=False),
             convert_config=_hf_config_to_parameters(moe=False),
+            source_parameters=_hf_parameters(moe=False),
         ),
         NamedMapping(
             name="qwen3-d9d-to-hf",
             description="d9d Qwen3 (dense) -> Hugging Face",
             factory=_to_hf("qwen3-d9d-to-hf", moe=False, experts_format=per_expert),
             convert_config=_parameters_to_hf_config(moe=False),
+            source_parameters=_d9d_parameters,
         ),
         NamedMapping(
             name="qwen3-moe-hf-to-d9d",
             description="Hugging Face Qwen3-MoE (per-expert or fused experts) -> d9d stacked experts",
             factory=_from_hf("qwen3-moe-hf-to-d9d", moe=True),
             convert_config=_hf_config_to_parameters(moe=True),
+            source_parameters=_hf_parameters(moe=True),
         ),
         NamedMapping(
             name="qwen3-moe-d9d-to-hf",
             description="d9d Qwen3-MoE -> Hugging Face, one module per expert (published checkpoints)",
             factory=_to_hf("qwen3-moe-d9d-to-hf", moe=True, experts_format=per_expert),
             convert_config=_parameters_to_hf_config(moe=True),
+            source_parameters=_d9d_parameters,
         ),
         NamedMapping(
             name="qwen3-moe-d9d-to-hf-fused",
             description="d9d Qwen3-MoE -> Hugging Face with fused experts (transformers 5 in-memory layout)",
             factory=_to_hf("qwen3-moe-d9d-to-hf-fused", moe=True, experts_format=fused),
             convert_config=_parameters_to_hf_config(moe=True),
+            source_parameters=_d9d_parameters,
         ),
     ]
 

@@ -1,4 +1,5 @@
-"""The data-preparation program: plan the work, get a tokenizer, tokenize in worker processes, index the shards.
+"""Data preparation in this process (not a torchrun rank program): plan the work, get a tokenizer, tokenize in worker
+processes, index the shards.
 
 Every finished piece (the tokenizer, each unit of tokenized text) is recorded in the stage's partial directory
 with the key it was made for, so an attempt that fails part-way loses nothing: the next one keeps what matches.
@@ -341,7 +342,7 @@ def _worker_context() -> multiprocessing.context.BaseContext:
     """
     context = multiprocessing.get_context("forkserver")
     # Takes effect when the fork server starts (the first pool in this process); later calls change nothing.
-    context.set_forkserver_preload(["d9d.flows.jobs.data_prep.program", "d9d.flows.jobs.data_prep.worker"])
+    context.set_forkserver_preload(["d9d.flows.jobs.data_prep.prepare", "d9d.flows.jobs.data_prep.worker"])
     return context
 
 
