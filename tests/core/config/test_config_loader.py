@@ -53,7 +53,7 @@ def test_a_file_is_merged_over_defaults_and_a_bad_value_names_key_value_and_sour
     path.write_text("inner:\n  names: [x]\n")
     config = load_config(Outer, path, defaults={"steps": 2, "inner": {"lr": 0.5}})
     assert config == Outer(steps=2, inner=Inner(lr=0.5, names=["x"]))
-    with pytest.raises(ConfigError, match=r"invalid job config \(from c\.yaml and --set\):\n  steps = 'many'"):
+    with pytest.raises(ConfigError, match=r"invalid config \(from c\.yaml and --set\):\n  steps = 'many'"):
         load_config(Outer, path, ["steps=many"], source="c.yaml and --set")
 
 

@@ -34,7 +34,7 @@ from d9d.models.qwen3.huggingface import (
     qwen3_moe_parameters_from_hf,
 )
 from d9d.models.qwen3.params import Qwen3MoeParameters
-from d9d.states import MappingError, ModelStateMapper, TensorMeta
+from d9d.states import CheckpointSource, MappingError, ModelStateMapper, TensorMeta
 
 HF_CONFIG = "config.json"
 
@@ -96,6 +96,13 @@ def _d9d_parameters(source: Path) -> AnyModelParameters:
     return read_parameters(source)
 
 
+def _stored_dtype(source: Path) -> torch.dtype:
+    """The floating dtype the checkpoint's weights are stored in (what `config.json`'s dtype must say, so that
+    `transformers` loads them unrounded); bfloat16 when it has none."""
+    metas = CheckpointSource.open(source).metas().values()
+    return next((meta.dtype for meta in metas if meta.dtype.is_floating_point), torch.bfloat16)
+
+
 def _hf_config_to_parameters(*, moe: bool) -> Callable[[Path, Path, torch.dtype | None], None]:
     def convert(source: Path, destination: Path, dtype: torch.dtype | None) -> None:
         del dtype
@@ -110,7 +117,7 @@ def _parameters_to_hf_config(*, moe: bool) -> Callable[[Path, Path, torch.dtype 
         if not (source / PARAMETERS_FILE).is_file():
             return
         params = read_parameters(source)
-        dtype = dtype or torch.bfloat16
+        dtype = dtype or _stored_dtype(source)
         if moe != isinstance(params, Qwen3MoeParameters):
             raise MappingError(
                 f"{source / PARAMETERS_FILE} describes a {model_kind(params)} model; use the "

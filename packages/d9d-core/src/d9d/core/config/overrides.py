@@ -117,7 +117,7 @@ def _other_kind_hint(choices: list[type[BaseModel]], current: type[BaseModel], p
 
 def format_validation_error(error: ValidationError, model: type[BaseModel], *, source: str) -> str:
     """One line per problem: the dotted key (as `--set` spells it), the value given, and what would be valid."""
-    lines = [f"invalid job config (from {source}):"]
+    lines = [f"invalid config (from {source}):"]
     for problem in error.errors(include_url=False):
         if problem["type"] == "extra_forbidden":
             parent_location, parent = _walk(model, problem["loc"][:-1])
