@@ -17,6 +17,7 @@ from d9d.core.lr import AnyLRScheduleConfig, ConstantScheduleConfig, build_lr_sc
 from d9d.core.optim import AdamWConfig, AnyOptimizerConfig
 from d9d.flows.jobs.launch import LaunchSpec, launch
 from d9d.flows.jobs.progress import Progress
+from d9d.flows.jobs.rank_failure import rank_errors
 from d9d.flows.jobs.stage_spec import PreflightError
 from d9d.flows.jobs.topology import RankTopology
 from d9d.metrics.trackers import AnyTrackerConfig
@@ -130,10 +131,13 @@ def launch_training(
     )
     tracker = StepTracker(root / LOSSES_FILE, progress, name=name)
     started = datetime.now(UTC)
+    failed = True
     try:
-        launch(spec, on_progress=tracker)
+        with rank_errors(spec.log_file, lambda cause: f"{name}: a rank failed:\n{cause}"):
+            launch(spec, on_progress=tracker)
+        failed = False
     finally:
-        progress.finish()
+        progress.finish(failed=failed)
     return TrainingRun(losses=read_losses(root / LOSSES_FILE), resumed_from=tracker.resumed_from, started=started)
 
 

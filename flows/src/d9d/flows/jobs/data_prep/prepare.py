@@ -164,18 +164,25 @@ def run_data_prep(plan: DataPrepPlan, partial: PartialStage, *, progress: Progre
         if piece is not None:
             results[item.number] = _result_from_json(piece.data)
     pending = [item for item in items if item.number not in results]
+    reused = f" ({len(results)} finished by an earlier attempt)" if results else ""
     progress.note(
-        f"tokenizing {len(items)} units of about {plan.config.chunk_bytes // 1024} KiB of text "
-        f"({len(results)} finished by an earlier attempt) with {min(plan.config.workers, max(len(pending), 1))} "
-        "worker processes"
+        f"tokenizing {len(items)} units of about {plan.config.chunk_bytes // 1024} KiB of text{reused} with "
+        f"{min(plan.config.workers, max(len(pending), 1))} worker processes"
     )
     progress.start("tokenize", total=plan.text_bytes, unit="B")
-    progress.advance(sum(item.text_bytes for item in items if item.number in results), "earlier attempt")
+    if results:  # a fresh run reused nothing: no "earlier attempt" on its bar
+        progress.advance(sum(item.text_bytes for item in items if item.number in results), "earlier attempt")
     tokenize_started = time.perf_counter()
-    if pending:
-        _tokenize(pending, workers=plan.config.workers, partial=partial, keys=keys, results=results, progress=progress)
+    failed = True
+    try:
+        if pending:
+            _tokenize(
+                pending, workers=plan.config.workers, partial=partial, keys=keys, results=results, progress=progress
+            )
+        failed = False
+    finally:
+        progress.finish(failed=failed)
     tokenize_seconds = time.perf_counter() - tokenize_started
-    progress.finish()
     outputs = [TOKENIZER_FILE]
     split_stats: dict[str, dict[str, int]] = {}
     for split in SPLITS:

@@ -39,6 +39,7 @@ from d9d.flows.jobs.evaluate.plot import PlotUnavailable, plot_loss_curve
 from d9d.flows.jobs.launch import LaunchSpec, launch
 from d9d.flows.jobs.pretrain.stage import CHECKPOINTS_DIR, tracker_location
 from d9d.flows.jobs.progress import Progress
+from d9d.flows.jobs.rank_failure import rank_errors
 from d9d.flows.jobs.stage_spec import Artifact, MarkdownArtifact, PreflightError, StageSpec, TableArtifact
 from d9d.flows.jobs.torchrun_stage import LOSSES_FILE, read_losses
 from d9d.metrics.trackers import AnyTrackerConfig, JsonlTrackerConfig, NoTrackerConfig, TensorBoardTrackerConfig
@@ -200,19 +201,23 @@ def run_evaluate_stage(plan: EvaluatePlan, partial: PartialStage, progress: Prog
         progress.advance(1.0, name)
 
     progress.start("evaluate", float(len(candidates)), "evaluations")
+    log_file = partial.root / LOG_FILE
+    failed = True
     try:
-        launch(
-            LaunchSpec(
-                module="d9d.flows.jobs.evaluate.program",
-                args=["--suite", "--config", str(suite_file)],
-                nproc_per_node=plan.config.nproc_per_node,
-                log_file=partial.root / LOG_FILE,
-                grace_seconds=plan.config.grace_seconds,
-            ),
-            on_progress=evaluated,
-        )
+        with rank_errors(log_file, lambda cause: f"evaluate: a rank failed:\n{cause}"):
+            launch(
+                LaunchSpec(
+                    module="d9d.flows.jobs.evaluate.program",
+                    args=["--suite", "--config", str(suite_file)],
+                    nproc_per_node=plan.config.nproc_per_node,
+                    log_file=log_file,
+                    grace_seconds=plan.config.grace_seconds,
+                ),
+                on_progress=evaluated,
+            )
+        failed = False
     finally:
-        progress.finish()
+        progress.finish(failed=failed)
     reports: dict[str, dict[str, Any]] = {
         checkpoint.name: {
             split: json.loads((partial.root / f"{checkpoint.name}.{split}" / REPORT_JSON).read_text(encoding="utf-8"))

@@ -117,9 +117,7 @@ def export_outputs(
         (output / PEFT_FILE).write_text(config.stage.peft.model_dump_json(indent=2) + "\n", encoding="utf-8")
 
 
-def run_finetune(
-    config: FinetuneRankConfig, ctx: DistributedContext, events: EventBus | None = None
-) -> FinetuneResult:
+def run_finetune(config: FinetuneRankConfig, ctx: DistributedContext, events: EventBus | None = None) -> FinetuneResult:
     """Fine-tune on this rank (every rank of the job calls it with the same config)."""
     stage = config.stage
     method = build_peft_method(stage.peft)

@@ -48,6 +48,8 @@ RECORDED_PACKAGES = ("d9d-core", "d9d-models", "d9d-parallel", "d9d-flows", "tor
 CHECKPOINTS_DIR = "checkpoints"
 TRACKER_DIR = "tracker"
 RUN_KEY_FILE = "run-key.json"
+
+
 @dataclass(frozen=True, kw_only=True)
 class PretrainPlan:
     config: PretrainStageConfig
