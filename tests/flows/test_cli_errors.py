@@ -107,3 +107,22 @@ def test_a_stage_alone_needs_the_outputs_it_reads(capsys, tmp_path):
     err = _error(capsys, ["run", "evaluate", "--preset", "micro", "--set", f"workdir={tmp_path}"])
     assert f"evaluate reads the output of data-prep at {tmp_path / 'data'}, which is not complete" in err
     assert "run `d9d run data-prep` (or the pipeline) first" in err
+
+
+def test_an_empty_workdir_is_refused(capsys):
+    err = _error(capsys, ["run", "pipeline", "--preset", "micro", "--set", "workdir="])
+    assert "workdir" in err and "workdir is empty; name a directory for the stage outputs" in err
+
+
+def test_a_workdir_under_a_file_names_the_file(capsys, tmp_path):
+    (tmp_path / "notes.txt").write_text("a file, not a directory")
+    err = _error(capsys, ["run", "pipeline", "--preset", "micro", "--set", f"workdir={tmp_path}/notes.txt/run"])
+    assert f"workdir={tmp_path}/notes.txt/run is under {tmp_path}/notes.txt, which is a file" in err
+
+
+def test_a_run_shorter_than_the_presets_warm_up_fails_before_launch(capsys, tmp_path):
+    err = _error(
+        capsys, ["run", "pipeline", "--preset", "tiny", "--set", f"workdir={tmp_path}", "--set", "pretrain.steps=10"]
+    )
+    assert "d9d: error: pretrain.lr_schedule does not fit pretrain.steps=10" in err
+    assert "raise pretrain.steps" in err

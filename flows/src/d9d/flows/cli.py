@@ -7,6 +7,7 @@ that differs from an existing shard set's), so those errors come back at once, n
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import time
@@ -138,6 +139,7 @@ def _run(target: str, config: JobConfig, *, source: str) -> int:
         say(
             f"d9d: {target} failed after {seconds:.1f} s: {error}\n"
             "d9d: finished work is kept; fix the cause and run the same command to continue from where it failed\n"
+            f"d9d: {flow_run_pointer(state.state_details.flow_run_id)}\n"
         )
         return EXIT_FAILED
     returned = state.result()
@@ -146,8 +148,19 @@ def _run(target: str, config: JobConfig, *, source: str) -> int:
     from d9d.flows.console import format_summary
 
     sys.stdout.write(format_summary(results, seconds=seconds, target=prefect_target.description) + "\n")
-    sys.stdout.write(f"d9d: Prefect flow run {state.state_details.flow_run_id}\n")
+    sys.stdout.write(f"d9d: {flow_run_pointer(state.state_details.flow_run_id)}\n")
     return 0
+
+
+def flow_run_pointer(flow_run_id: object) -> str:
+    """How to see the flow run: its page in the Prefect UI of a configured server, else the command that shows it
+    from the embedded database."""
+    api = os.environ.get("PREFECT_API_URL", "")
+    if api:
+        ui = api.rstrip("/").removesuffix("/api")
+        return f"Prefect flow run {flow_run_id}: {ui}/runs/flow-run/{flow_run_id}"
+    home = os.environ.get("PREFECT_HOME", "")
+    return f"Prefect flow run {flow_run_id}; to see it: PREFECT_HOME={home} prefect flow-run inspect {flow_run_id}"
 
 
 if __name__ == "__main__":
