@@ -44,7 +44,9 @@ def test_overrides_are_typed_like_yaml_and_create_nested_mappings(tmp_path):
 
 
 def test_unknown_keys_are_rejected_naming_the_field_and_the_valid_ones():
-    with pytest.raises(ConfigError, match=r"unknown --set key 'inner\.lrr': inner has no field 'lrr'; valid fields: lr"):
+    with pytest.raises(
+        ConfigError, match=r"unknown --set key 'inner\.lrr': inner has no field 'lrr'; valid fields: lr"
+    ):
         load_config(Outer, None, ["steps=1", "inner.lrr=1"])
 
 
