@@ -20,7 +20,7 @@ from d9d.flows.console import current_progress
 from d9d.flows.jobs.config import JobConfig
 from d9d.flows.jobs.contract import Completeness, StageDirectory, StageResult
 from d9d.flows.jobs.progress import LogProgress, Progress
-from d9d.flows.jobs.stage_spec import MarkdownArtifact, StageSpec, TableArtifact
+from d9d.flows.jobs.stage_spec import MarkdownArtifact, StagePlan, StageSpec, TableArtifact
 from d9d.flows.jobs.stages import STAGES, require_inputs
 
 JobParameter = dict[str, Any] | JobConfig
@@ -38,18 +38,19 @@ def _progress() -> Progress:
 
 
 @task(name="plan", cache_policy=NO_CACHE, persist_result=False)
-def plan_task(spec: StageSpec[Any], config: JobConfig) -> Any:
+def plan_task(spec: StageSpec[Any], config: JobConfig) -> StagePlan:
     require_inputs(config, spec)
-    return spec.plan(config, _progress())
+    plan: StagePlan = spec.plan(config, _progress())
+    return plan
 
 
 @task(name="check-manifest", cache_policy=NO_CACHE, persist_result=False)
-def check_task(directory: StageDirectory, plan: Any) -> Completeness:
+def check_task(directory: StageDirectory, plan: StagePlan) -> Completeness:
     return directory.check(plan.key)
 
 
 @task(name="run", cache_policy=NO_CACHE, persist_result=False)
-def run_task(spec: StageSpec[Any], directory: StageDirectory, plan: Any) -> StageResult:
+def run_task(spec: StageSpec[Any], directory: StageDirectory, plan: StagePlan) -> StageResult:
     return spec.run(plan, directory, _progress())
 
 

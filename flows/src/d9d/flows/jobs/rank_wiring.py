@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from d9d.core.data import DataParallelLoader, PackedTokenDataset, collate_packed
+from d9d.core.data import DataParallelLoader, PackedSequence, PackedTokenDataset, collate_packed
 from d9d.core.data.loader_config import AnySampleOrderConfig, DataLoaderConfig, build_data_loader
 from d9d.core.dist import DistributedContext
 from d9d.core.dist.domains import MeshDomain
@@ -47,7 +47,7 @@ def packed_loader(
     global_batch_rows: int,
     order: AnySampleOrderConfig,
     epochs: int | None,
-) -> DataParallelLoader[dict[str, torch.Tensor]]:
+) -> DataParallelLoader[PackedSequence]:
     """Packed rows of a token-shard set, this data-parallel rank's share of each global batch."""
     dataset = PackedTokenDataset(shards, seq_len=seq_len)
     config = DataLoaderConfig(global_batch_size=global_batch_rows, order=order, epochs=epochs)

@@ -133,7 +133,7 @@ def run_finetune(config: FinetuneRankConfig, ctx: DistributedContext, events: Ev
     def model_provider(ctx: DistributedContext, loader: ModelLoader | None) -> BuiltModel:
         return build_model(config.model, ctx, stage.data_parallel, prepare=prepare, loader=loader)
 
-    def data_provider(ctx: DistributedContext, microbatches: int) -> LoaderDataSource:
+    def data_provider(ctx: DistributedContext, microbatches_per_step: int) -> LoaderDataSource:
         loader = packed_loader(
             ctx,
             config.train_shards,
@@ -142,7 +142,7 @@ def run_finetune(config: FinetuneRankConfig, ctx: DistributedContext, events: Ev
             order=ShuffledOrderConfig(seed=stage.shuffle_seed),
             epochs=None,
         )
-        return LoaderDataSource(loader, microbatches)
+        return LoaderDataSource(loader, microbatches_per_step)
 
     def optimizer_provider(model: nn.Module) -> Optimizer:
         # Only what trains: the optimizer then holds state for the adapters alone.

@@ -38,7 +38,7 @@ def run_pretrain(config: PretrainRankConfig, ctx: DistributedContext, events: Ev
     def model_provider(ctx: DistributedContext, loader: ModelLoader | None) -> BuiltModel:
         return build_model(stage.model, ctx, stage.data_parallel, loader=loader)
 
-    def data_provider(ctx: DistributedContext, microbatches: int) -> LoaderDataSource:
+    def data_provider(ctx: DistributedContext, microbatches_per_step: int) -> LoaderDataSource:
         loader = packed_loader(
             ctx,
             config.train_shards,
@@ -47,7 +47,7 @@ def run_pretrain(config: PretrainRankConfig, ctx: DistributedContext, events: Ev
             order=ShuffledOrderConfig(seed=stage.shuffle_seed),
             epochs=None,
         )
-        return LoaderDataSource(loader, microbatches)
+        return LoaderDataSource(loader, microbatches_per_step)
 
     def optimizer_provider(model: nn.Module) -> Optimizer:
         return build_optimizer(stage.optimizer, model.parameters())

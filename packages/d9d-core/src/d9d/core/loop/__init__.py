@@ -40,7 +40,7 @@ from d9d.core.loop.protocols import (
 from d9d.core.loop.schedule import AccumulationSchedule, ScheduleResult, StepSchedule
 from d9d.core.loop.synthetic import SyntheticTokenSource, TokenBatch, synthetic_global_batch
 from d9d.core.loop.trainer import Trainer, TrainerParts, TrainResult
-from d9d.core.loop.wiring import build_inference, build_trainer, dp_size_of
+from d9d.core.loop.wiring import build_trainer, dp_size_of
 
 __all__ = [
     "AccumulationSchedule",
@@ -87,7 +87,6 @@ __all__ = [
     "TrainingFinished",
     "TrainingStarted",
     "ValidationFinished",
-    "build_inference",
     "build_trainer",
     "clip_grad_norm_torch",
     "dp_size_of",
