@@ -59,3 +59,19 @@ def test_cli_reports_bad_mappings_and_missing_arguments(tmp_path, capsys):
     assert "no mapping named 'llama'" in capsys.readouterr().err
     assert main(["convert", "--mapping", "qwen3-hf-to-d9d"]) == 2
     assert "convert needs --mapping NAME SRC DST" in capsys.readouterr().err
+
+
+def test_converting_a_model_directory_without_parameters_json_says_what_to_do(tmp_path, capsys):
+    output = tmp_path / "model"
+    convert_model(ConvertConfig(), output)
+    older = tmp_path / "older-merged"  # a d9d directory as d9d wrote them before they recorded their parameters
+    older.mkdir()
+    for file in (output / "checkpoint").iterdir():
+        if file.name != "parameters.json":
+            (older / file.name).write_bytes(file.read_bytes())
+    assert main(["convert", "--mapping", "qwen3-moe-d9d-to-hf", str(older), str(tmp_path / "hf")]) == 0
+    err = capsys.readouterr().err
+    assert f"{older} has no parameters.json, so {tmp_path / 'hf'} has no config.json" in err
+    assert main(["convert", "--mapping", "qwen3-moe-d9d-to-hf", str(output / "checkpoint"), str(tmp_path / "hf2")]) == 0
+    assert "no parameters.json" not in capsys.readouterr().err
+    assert json.loads((tmp_path / "hf2" / "config.json").read_text())["model_type"] == "qwen3_moe"

@@ -53,4 +53,11 @@ def run_convert_command(args: argparse.Namespace) -> int:
         f"wrote {args.destination} ({len(report.files)} files, {report.bytes_written / 2**20:.1f} MiB) with "
         f"{args.mapping} in {report.seconds:.1f} s\n"
     )
+    if args.mapping.endswith("-to-hf") and not (args.destination / "config.json").is_file():
+        # A d9d model directory written before it recorded its parameters (e.g. an older fine-tune's merged/).
+        sys.stderr.write(
+            f"d9d: note: {args.source} has no parameters.json, so {args.destination} has no config.json and "
+            "transformers cannot load it yet; write the model's parameters there (the job's `pretrain.model."
+            "parameters` as JSON, with \"kind\") and convert again, or rerun the stage that wrote it\n"
+        )
     return 0
