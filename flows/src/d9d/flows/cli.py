@@ -7,6 +7,7 @@ that differs from an existing shard set's), so those errors come back at once, n
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
@@ -116,6 +117,7 @@ def _run(target: str, config: JobConfig, *, source: str) -> int:
     from d9d.flows.stage_flow import with_retries
 
     flow = pipeline_flow if target == "pipeline" else with_retries(target, config)
+    quiet_failures_on_the_console()
     set_progress(TerminalProgress())
     previous_sigterm = signal.signal(signal.SIGTERM, _terminated)
     try:
@@ -150,6 +152,26 @@ def _run(target: str, config: JobConfig, *, source: str) -> int:
     sys.stdout.write(format_summary(results, seconds=seconds, target=prefect_target.description) + "\n")
     sys.stdout.write(f"d9d: {flow_run_pointer(state.state_details.flow_run_id)}\n")
     return 0
+
+
+class _NoRunTracebacks(logging.Filter):
+    """Drops flow and task runs' error records (Prefect's "Encountered exception" tracebacks) from the console: `d9d`
+    prints the cause itself, in one message. The Prefect API still receives them (its handler has no such filter)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        run_logger = record.name.startswith(("prefect.flow_runs", "prefect.task_runs"))
+        return not (run_logger and record.levelno >= logging.ERROR)
+
+
+def quiet_failures_on_the_console() -> None:
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    for logger in (logging.getLogger("prefect"), logging.getLogger()):
+        for handler in logger.handlers:
+            if isinstance(handler, PrefectConsoleHandler) and not any(
+                isinstance(existing, _NoRunTracebacks) for existing in handler.filters
+            ):
+                handler.addFilter(_NoRunTracebacks())
 
 
 def flow_run_pointer(flow_run_id: object) -> str:
