@@ -126,3 +126,18 @@ def test_a_run_shorter_than_the_presets_warm_up_fails_before_launch(capsys, tmp_
     )
     assert "d9d: error: pretrain.lr_schedule does not fit pretrain.steps=10" in err
     assert "raise pretrain.steps" in err
+
+
+def test_the_console_drops_prefects_run_tracebacks_but_keeps_other_records():
+    import logging
+
+    from d9d.flows.cli import _NoRunTracebacks
+
+    def record(name: str, level: int) -> logging.LogRecord:
+        return logging.LogRecord(name, level, __file__, 1, "Encountered exception during execution", None, None)
+
+    keep = _NoRunTracebacks().filter
+    assert not keep(record("prefect.flow_runs", logging.ERROR))  # d9d prints the cause itself, in one message
+    assert not keep(record("prefect.task_runs", logging.ERROR))
+    assert keep(record("prefect.flow_runs", logging.WARNING))
+    assert keep(record("prefect.server", logging.ERROR))
