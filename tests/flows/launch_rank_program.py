@@ -2,7 +2,10 @@
 
 Each rank writes its pid to DIR/rank-R.pid, rank 0 reports progress lines, then by MODE: `finish` exits 0 after three
 steps, `fail` exits 3 on rank 1, `wait` runs until SIGTERM and then writes DIR/rank-R.stopped (what the Trainer
-does: finish the step, checkpoint, exit), `stubborn` ignores SIGTERM (so only SIGKILL ends it).
+does: finish the step, checkpoint, exit), `slow-stop` does the same but takes D9D_TEST_STOP_SECONDS (default 35: longer
+than the 30 s torchrun allows its ranks after forwarding a signal) to "checkpoint", `stubborn` ignores SIGTERM (so
+only SIGKILL ends it). `hang` and `sigkill` join a gloo group (collective timeout D9D_TEST_TIMEOUT seconds,
+default 5) in which rank 1 hangs (ignoring SIGTERM) or SIGKILLs itself while rank 0 waits in a barrier.
 """
 
 import os
@@ -11,10 +14,31 @@ import sys
 import time
 from pathlib import Path
 
-from d9d.flows.jobs.launch import emit_progress
+from d9d.flows.jobs.launch import emit_progress, prepare_rank
+
+
+def hang_forever() -> None:
+    while True:  # a rank stuck outside any collective (a deadlock, a dead file system): ignores SIGTERM
+        time.sleep(0.1)
+
+
+def lost_rank(rank: int, mode: str) -> int:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=float(os.environ.get("D9D_TEST_TIMEOUT", "5")))
+    dist.init_process_group("gloo", timeout=timeout)
+    if rank == 1:
+        if mode == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        hang_forever()
+    dist.barrier()  # times out (or fails at once) without rank 1
+    return 0
 
 
 def main() -> int:
+    prepare_rank()
     out, mode = Path(sys.argv[1]), sys.argv[2]
     rank = int(os.environ["RANK"])
     stop = {"asked": False}
@@ -33,8 +57,13 @@ def main() -> int:
         return 0
     if mode == "fail":
         return 3 if rank == 1 else 0
+    if mode in ("hang", "sigkill"):
+        return lost_rank(rank, mode)
     while not stop["asked"]:
         time.sleep(0.05)
+    if mode == "slow-stop":
+        (out / f"rank-{rank}.stopping").write_text(str(time.time()))
+        time.sleep(float(os.environ.get("D9D_TEST_STOP_SECONDS", "35")))
     (out / f"rank-{rank}.stopped").write_text("checkpointed")
     return 0
 

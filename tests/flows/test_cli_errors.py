@@ -141,3 +141,16 @@ def test_the_console_drops_prefects_run_tracebacks_but_keeps_other_records():
     assert not keep(record("prefect.task_runs", logging.ERROR))
     assert keep(record("prefect.flow_runs", logging.WARNING))
     assert keep(record("prefect.server", logging.ERROR))
+
+
+def test_a_workdir_holding_a_foreign_folder_is_refused_and_the_folder_kept(capsys, tmp_path):
+    """`--set workdir=/shared` where /shared/data is not d9d's: refused before anything runs, nothing touched."""
+    shared = tmp_path / "shared"
+    (shared / "data" / "raw").mkdir(parents=True)
+    (shared / "data" / "raw" / "corpus.txt").write_text("years of collected text\n", encoding="utf-8")
+    before = sorted(str(path.relative_to(shared)) for path in shared.rglob("*"))
+    err = _error(capsys, ["run", "pipeline", "--preset", "micro", "--set", f"workdir={shared}"])
+    assert f"d9d: error: {shared / 'data'} exists and is not a d9d stage output" in err
+    assert "raw/" in err and "--set replace_outputs=true" in err
+    assert sorted(str(path.relative_to(shared)) for path in shared.rglob("*")) == before
+    assert (shared / "data" / "raw" / "corpus.txt").read_text(encoding="utf-8") == "years of collected text\n"

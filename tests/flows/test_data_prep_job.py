@@ -10,9 +10,9 @@ import pytest
 from flows_corpora import TEXTS, small_job
 from tokenizers import Tokenizer
 
-from d9d.core.data import TokenShardSet
+from d9d.core.data import TokenShardFormatError, TokenShardSet
 from d9d.flows.jobs.config import JobConfig
-from d9d.flows.jobs.contract import StageDirectory
+from d9d.flows.jobs.contract import StageDirectory, StageOutputConflict
 from d9d.flows.jobs.data_prep import CorpusError, SplitError, TokenizerError, preflight, prepare_data
 from d9d.flows.jobs.data_prep.config import EmbeddedCorpus
 from d9d.flows.jobs.data_prep.corpus import embedded_files
@@ -23,8 +23,8 @@ def _config(tmp_path, corpus, **data_prep):
     return JobConfig.model_validate(small_job(tmp_path, corpus, **data_prep)).resolved(tmp_path)
 
 
-def _run(config):
-    return prepare_data(config.data_prep, config.data_prep_output)
+def _run(config, *, replace=False):
+    return prepare_data(config.data_prep, config.data_prep_output, replace=replace)
 
 
 def _all_documents(output):
@@ -68,7 +68,10 @@ def test_a_second_run_skips_and_a_changed_corpus_reruns(tmp_path, corpus_dir):
     assert again.status == "skipped"
     assert index.stat().st_mtime_ns == before
     (corpus_dir / "plays" / "a.txt").write_text(TEXTS[0] + " Ay, there's the rub.", encoding="utf-8")
-    changed = _run(config)
+    with pytest.raises(StageOutputConflict, match=r"complete data-prep output .*inputs changed \(plays/a.txt\)"):
+        _run(config)  # a changed input never replaces finished work without the explicit option
+    assert index.stat().st_mtime_ns == before
+    changed = _run(config, replace=True)
     assert changed.status == "ran"
     assert "inputs changed (plays/a.txt)" in changed.reason
 
@@ -196,7 +199,7 @@ def test_tokenizer_mismatch_with_an_existing_shard_set_is_refused_unless_allowed
     allowed = other.model_copy(
         update={"data_prep": other.data_prep.model_copy(update={"allow_tokenizer_change": True})}
     )
-    assert _run(allowed).statistics["tokenizer"]["vocab_size"] == 320
+    assert _run(allowed, replace=True).statistics["tokenizer"]["vocab_size"] == 320
 
 
 def test_validation_fraction_that_leaves_no_training_text_is_refused(tmp_path, corpus_dir):
@@ -229,3 +232,17 @@ def test_both_embedded_corpora_are_installed_by_the_set_up_command():
     assert len(milton) >= 7
     assert any("paradise" in file.name for file in milton)
     assert any("Disobedience" in file.path.read_text(errors="replace") for file in milton)  # Paradise Lost, l. 1
+
+
+def test_a_same_size_corrupt_shard_is_rebuilt_by_the_next_run_and_refused_by_readers(tmp_path, corpus_dir):
+    config = _config(tmp_path, corpus_dir)
+    _run(config)
+    shard = sorted((config.data_prep_output / "train").glob("*.d9dtok"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # a flipped byte: same size, so the manifest's size check alone passes it
+    shard.write_bytes(bytes(data))
+    with pytest.raises(TokenShardFormatError, match=rf"{shard.name}: checksum mismatch.*rerun data preparation"):
+        TokenShardSet(shard.parent)
+    repaired = _run(config)
+    assert repaired.status == "ran" and "corrupt token shards" in repaired.reason and shard.name in repaired.reason
+    assert TokenShardSet(shard.parent).num_documents > 0

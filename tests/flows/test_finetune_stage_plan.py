@@ -123,7 +123,7 @@ def test_the_random_base_follows_the_pretrain_model_so_pretraining_starts_from_i
     assert init_from == output / "checkpoint", note
     # Another model makes a new random source (and so a new conversion), which pretraining then starts from.
     wider = _config(tmp_path, "pretrain.model.parameters.hidden_size=64", "pretrain.model.parameters.head_dim=16")
-    again = convert_model(wider.convert, output, architecture=wider.pretrain.model.parameters)
+    again = convert_model(wider.convert, output, architecture=wider.pretrain.model.parameters, replace=True)
     assert again.status == "ran" and "inputs changed" in again.reason
     assert init_checkpoint(wider.pretrain, output / "checkpoint")[0] == output / "checkpoint"
     assert convert_model(wider.convert, output, architecture=wider.pretrain.model.parameters).status == "skipped"

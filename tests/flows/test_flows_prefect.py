@@ -13,7 +13,7 @@ import yaml
 from flows_corpora import small_job
 
 from d9d.core.checkpoint import latest_complete
-from d9d.flows.cli import EXIT_FAILED, main
+from d9d.flows.cli import EXIT_BAD_INPUT, EXIT_FAILED, main
 from d9d.flows.jobs.contract import StageManifest
 from d9d.flows.jobs.faults import FAULT_ENV
 
@@ -77,6 +77,16 @@ def test_pipeline_runs_then_skips_then_redoes_what_was_deleted(prefect_api, tmp_
     # Data prep redone from the same corpus gives the same shards: pretraining (keyed on their checksums) skipped.
     assert StageManifest.read(tmp_path / "pretrain").created_at == pretrained
     assert [run.state_type.value for run in _flow_runs(tmp_path, name="pretrain")] == ["COMPLETED"] * 4
+
+    # A one-off override next to the finished run: refused before training, naming what replacing it would delete.
+    checkpoints = sorted(path.name for path in (tmp_path / "pretrain" / "checkpoints").iterdir())
+    once = ["run", "pretrain", "--preset", "micro", "--set", f"workdir={tmp_path}", "--set", "pretrain.steps=9"]
+    assert main(once) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'pretrain'} holds a complete pretrain output" in err
+    assert "config changed (steps)" in err and "checkpoints/" in err
+    assert sorted(path.name for path in (tmp_path / "pretrain" / "checkpoints").iterdir()) == checkpoints
+    assert StageManifest.read(tmp_path / "pretrain").created_at == pretrained
 
 
 def _check_pretrain_and_evaluate(workdir, out):
@@ -234,6 +244,11 @@ def test_stage_runs_from_a_job_file_with_overrides(prefect_api, tmp_path, capsys
     job_file.write_text(yaml.safe_dump(small_job(tmp_path, corpus_dir)), encoding="utf-8")
     assert main(["run", "data-prep", "--config", str(job_file), "--set", "data_prep.seed=3"]) == 0
     assert "data-prep: ran" in capsys.readouterr().out
-    assert main(["run", "data-prep", "--config", str(job_file), "--set", "data_prep.seed=4"]) == 0
+    created = StageManifest.read(tmp_path / "run" / "data").created_at
+    changed = ["run", "data-prep", "--config", str(job_file), "--set", "data_prep.seed=4"]
+    assert main(changed) == EXIT_BAD_INPUT  # a complete output for another config: kept, and the run refused
+    assert "holds a complete data-prep output" in capsys.readouterr().err
+    assert StageManifest.read(tmp_path / "run" / "data").created_at == created
+    assert main([*changed, "--set", "replace_outputs=true"]) == 0
     assert "data-prep: ran (config changed (seed))" in capsys.readouterr().out
     assert StageManifest.read(tmp_path / "run" / "data").statistics["documents"] == 10

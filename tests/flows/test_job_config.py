@@ -128,3 +128,10 @@ def test_execution_settings_do_not_enter_the_stage_key():
     changed = base.model_copy(update={"workers": 7, "retries": 5, "output": Path("/elsewhere")})
     assert base.stage_key_config() == changed.stage_key_config()
     assert base.stage_key_config() != base.model_copy(update={"seed": 1}).stage_key_config()
+
+
+@pytest.mark.parametrize("raw", [".inf", "1e999"])
+def test_a_non_finite_learning_rate_is_refused_naming_the_field(raw):
+    # (nan is refused too, earlier: the lr field's `ge=0` fails for nan with the same key named.)
+    with pytest.raises(JobConfigError, match=r"pretrain\.optimizer\.lr=inf"):
+        load_job_config(preset_name="micro", overrides=[f"pretrain.optimizer.lr={raw}"])

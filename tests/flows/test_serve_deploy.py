@@ -164,7 +164,7 @@ def test_deploy_and_serve_refuse_the_embedded_api(tmp_path, capsys):
 
 def test_server_plan_uses_its_own_sqlite_home_or_the_postgres_url_given(tmp_path):
     environ = {"D9D_HOME": str(tmp_path), "PREFECT_API_URL": "http://elsewhere/api"}
-    plan = plan_server(host="0.0.0.0", port=4200, database_url=None, ui=False, environ=environ)
+    plan = plan_server(host="0.0.0.0", port=4200, database_url=None, ui=False, environ=environ, behind_auth_proxy=True)
     assert plan.argv[1:] == ["-m", "prefect", "server", "start", "--host", "0.0.0.0", "--port", "4200"]
     assert plan.environ["PREFECT_HOME"] == str(tmp_path / "server")
     assert "PREFECT_API_URL" not in plan.environ  # the server must not act as a client of another API
@@ -178,6 +178,9 @@ def test_server_plan_uses_its_own_sqlite_home_or_the_postgres_url_given(tmp_path
     assert plan.database == "postgresql+asyncpg://prefect:***@db.internal:5432/prefect"  # never print the password
     with pytest.raises(ValueError, match="--database-url 'mysql://x' is not a database Prefect can use"):
         plan_server(host="127.0.0.1", port=4200, database_url="mysql://x", ui=True, environ=environ)
+    with pytest.raises(ValueError, match=r"'mysql://root:\*\*\*@db/prefect' is not a database") as error:
+        plan_server(host="127.0.0.1", port=4200, database_url="mysql://root:s3cret@db/prefect", ui=True, environ={})
+    assert "s3cret" not in str(error.value)  # the error path redacts the password too
     with pytest.raises(ValueError, match="--port 70000 is not a TCP port"):
         plan_server(host="127.0.0.1", port=70000, database_url=None, ui=True, environ=environ)
 

@@ -12,6 +12,7 @@ from d9d.flows.jobs.contract import (
     StageDirectory,
     StageKey,
     StageManifest,
+    StageOutputConflict,
     Status,
 )
 
@@ -89,7 +90,7 @@ def test_changed_config_or_inputs_make_it_stale_and_say_what_changed(tmp_path):
 
 
 def test_commit_prunes_unlisted_files_and_replaces_the_old_output(tmp_path):
-    directory = _complete(tmp_path)
+    directory = StageDirectory(_complete(tmp_path).target, replace=True)
     partial = directory.open_partial()
     (partial.root / "keep.bin").write_bytes(b"new")
     (partial.root / "scratch").mkdir()
@@ -152,3 +153,79 @@ def test_a_second_writer_of_the_same_stage_is_refused(tmp_path):
     assert "is being written by pid" in message
     with directory.lock():  # released
         pass
+
+
+# A stage replaces only what it wrote itself ---------------------------------------------------------------------------
+
+
+def _commit_new(directory, key=None):
+    partial = directory.open_partial(key or _key())
+    (partial.root / "a.bin").write_bytes(b"new")
+    return directory.commit(partial, key or _key(), outputs=["a.bin"], packages={}, statistics={}, created_at="")
+
+
+def test_a_foreign_directory_is_refused_naming_it_and_kept_intact(tmp_path):
+    """`--set workdir=/shared` where /shared/data is someone's folder: the data-prep stage must not replace it."""
+    foreign = tmp_path / "data"
+    (foreign / "theirs").mkdir(parents=True)
+    (foreign / "theirs" / "results.csv").write_text("1,2\n")
+    directory = StageDirectory(foreign)
+    with pytest.raises(StageOutputConflict, match=r"data exists and is not a d9d stage output .*theirs/") as refused:
+        _commit_new(directory)
+    assert "replace_outputs=true" in str(refused.value)
+    with pytest.raises(StageOutputConflict):
+        directory.refuse_foreign()  # the CLI's preflight says the same before anything starts
+    assert (foreign / "theirs" / "results.csv").read_text() == "1,2\n"
+    assert not directory.partial.exists()
+    _commit_new(StageDirectory(foreign, replace=True))  # the explicit option
+    assert not (foreign / "theirs").exists() and (foreign / "a.bin").read_bytes() == b"new"
+
+
+def test_a_file_or_an_unlisted_entry_in_the_target_is_refused(tmp_path):
+    (tmp_path / "out").write_text("a file")
+    with pytest.raises(StageOutputConflict, match=r"out exists and is not a directory"):
+        _commit_new(StageDirectory(tmp_path / "out"))
+    (tmp_path / "out").unlink()
+    directory = _complete(tmp_path)
+    (directory.target / "notes.txt").write_text("mine")
+    (directory.target / "a.bin").write_bytes(b"damaged")  # incomplete, so replaceable but for notes.txt
+    with pytest.raises(StageOutputConflict, match=r"holds .*notes.txt, which its demo manifest does not list"):
+        _commit_new(directory)
+    assert (directory.target / "notes.txt").read_text() == "mine"
+
+
+def test_another_stages_output_is_refused(tmp_path):
+    directory = _complete(tmp_path)
+    other = StageKey(stage="other", stage_version=1, config={}, inputs=())
+    with pytest.raises(StageOutputConflict, match=r"is the output of stage 'demo', not 'other'"):
+        directory.open_partial(other)
+
+
+def test_a_complete_output_for_another_key_is_refused_naming_what_would_be_lost(tmp_path):
+    directory = _complete(tmp_path)
+    with pytest.raises(StageOutputConflict) as refused:
+        _commit_new(directory, _key(config={"size": 2}))
+    message = str(refused.value)
+    assert "holds a complete demo output (made now) for another key (config changed (size))" in message
+    assert "would delete its 2 files" in message and "a.bin, sub/" in message
+    assert directory.check(_key()).complete  # untouched
+    directory.refuse_foreign()  # a d9d output: not foreign, whatever its key
+    _commit_new(StageDirectory(directory.target, replace=True), _key(config={"size": 2}))
+    assert directory.check(_key(config={"size": 2})).complete
+
+
+def test_an_incomplete_output_for_the_same_or_another_key_is_redone(tmp_path):
+    directory = _complete(tmp_path)
+    (directory.target / "sub" / "b.bin").unlink()  # damaged: what the stage wrote, not a finished output
+    _commit_new(directory, _key(config={"size": 3}))
+    assert directory.check(_key(config={"size": 3})).complete
+    _commit_new(directory, _key(config={"size": 3}))  # complete for the same key: its own, rewritten on request
+
+
+def test_a_foreign_partial_directory_is_refused(tmp_path):
+    directory = StageDirectory(tmp_path / "out")
+    directory.partial.mkdir()
+    (directory.partial / "keep.txt").write_text("not d9d's")
+    with pytest.raises(StageOutputConflict, match=r"\.out\.partial exists but is not a d9d partial directory"):
+        directory.open_partial(_key())
+    assert (directory.partial / "keep.txt").read_text() == "not d9d's"

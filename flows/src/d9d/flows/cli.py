@@ -7,12 +7,13 @@ that differs from an existing shard set's), so those errors come back at once, n
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import FrameType
 
@@ -20,7 +21,13 @@ import yaml
 
 from d9d.flows.deployments import DEPLOYMENT_COMMANDS, add_deployment_commands, run_deployment_command
 from d9d.flows.jobs.config import JobConfig
-from d9d.flows.jobs.contract import StageBusyError, StageResult
+from d9d.flows.jobs.contract import (
+    MANIFEST_FILENAME,
+    StageBusyError,
+    StageDirectory,
+    StageOutputConflict,
+    StageResult,
+)
 from d9d.flows.jobs.convert import add_convert_command, run_convert_command
 from d9d.flows.jobs.data_prep import CorpusError, SplitError, TokenizerError
 from d9d.flows.jobs.launch import LaunchCancelled
@@ -28,12 +35,16 @@ from d9d.flows.jobs.loading import JobConfigError, load_job_config
 from d9d.flows.jobs.presets import describe_presets
 from d9d.flows.jobs.stage_spec import PreflightError
 from d9d.flows.jobs.stages import PIPELINE, STAGES, preflight
+from d9d.flows.jobs.verify import add_verify_command, run_verify_command
 
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT
 EXIT_TERMINATED = 143  # 128 + SIGTERM
-INPUT_ERRORS = (JobConfigError, PreflightError, CorpusError, TokenizerError, SplitError, StageBusyError)
+EMBEDDED_STARTUP_SECONDS = 120.0  # a fresh SQLite database takes 15-20 s on a 2-core machine
+INPUT_ERRORS = (
+    JobConfigError, PreflightError, CorpusError, TokenizerError, SplitError, StageBusyError, StageOutputConflict
+)  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     show = commands.add_parser("show-config", help="print the job config that a run would use, as YAML")
     _config_arguments(show)
     add_convert_command(commands)
+    add_verify_command(commands)
     add_deployment_commands(commands)
     return parser
 
@@ -77,6 +89,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "convert":
         return run_convert_command(args)
+    if args.command == "verify":
+        return run_verify_command(args)
     if args.command in DEPLOYMENT_COMMANDS:
         return run_deployment_command(args)
     try:
@@ -90,6 +104,47 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write(f"d9d: error: {error}\n")
         return EXIT_BAD_INPUT
     return _run(args.target, config, source=args.preset or str(args.config or "defaults"))
+
+
+def _stage_output(config: JobConfig, stage: str) -> Path:
+    return STAGES[stage].output(config)
+
+
+@contextlib.contextmanager
+def _api(mode: str) -> Iterator[None]:
+    """The embedded API (started once per process, in its own session, dying with it) for the flows to report to;
+    a configured API as it is."""
+    if mode != "embedded":
+        yield
+        return
+    from d9d.flows.embedded_api import embedded_api_url, using_api
+
+    home = Path(os.environ["PREFECT_HOME"])
+    with using_api(embedded_api_url(home, startup_timeout=EMBEDDED_STARTUP_SECONDS)):
+        yield
+
+
+def _interrupted_line(signal_name: str, config: JobConfig) -> str:
+    kept = _kept(config)
+    return f"d9d: interrupted ({signal_name}): every rank has stopped; kept: {kept}; run the same command to continue\n"
+
+
+def _kept(config: JobConfig) -> str:
+    """What an interrupted run leaves to continue from: complete stage outputs, and the newest complete checkpoint
+    of a training stage in progress."""
+    from d9d.core.checkpoint import latest_complete
+
+    kept = [
+        f"{stage} {output}"
+        for stage in PIPELINE
+        if (output := _stage_output(config, stage)).is_dir() and (output / MANIFEST_FILENAME).is_file()
+    ]
+    for stage in ("pretrain", "finetune"):
+        checkpoints = StageDirectory(_stage_output(config, stage)).partial / "checkpoints"
+        newest = latest_complete(checkpoints) if checkpoints.is_dir() else None
+        if newest is not None:
+            kept.append(f"{stage} checkpoint {newest}")
+    return ", ".join(kept) or "nothing finished yet"
 
 
 class Terminated(KeyboardInterrupt):
@@ -121,13 +176,11 @@ def _run(target: str, config: JobConfig, *, source: str) -> int:
     set_progress(TerminalProgress())
     previous_sigterm = signal.signal(signal.SIGTERM, _terminated)
     try:
-        state = flow(config, return_state=True)  # the validated config itself: no second validation here
+        with _api(prefect_target.mode):
+            state = flow(config, return_state=True)  # the validated config itself: no second validation here
     except KeyboardInterrupt as interrupt:
         name = "SIGTERM" if isinstance(interrupt, Terminated) else "SIGINT"
-        say(
-            f"d9d: interrupted ({name}); every rank has stopped, finished work and checkpoints are kept; "
-            "run the same command to continue\n"
-        )
+        say(_interrupted_line(name, config))
         return EXIT_TERMINATED if isinstance(interrupt, Terminated) else EXIT_INTERRUPTED
     finally:
         signal.signal(signal.SIGTERM, previous_sigterm)
@@ -136,8 +189,12 @@ def _run(target: str, config: JobConfig, *, source: str) -> int:
     if not state.is_completed():
         error = state.result(raise_on_failure=False)
         if isinstance(error, LaunchCancelled):
-            say(f"d9d: interrupted: {error}; checkpoints are kept, run the same command to continue\n")
+            name = signal.Signals(error.signum).name
+            say(_interrupted_line(name, config))
             return EXIT_TERMINATED if error.signum == signal.SIGTERM else EXIT_INTERRUPTED
+        if isinstance(error, StageOutputConflict):
+            say(f"d9d: error: {error}\n")
+            return EXIT_BAD_INPUT
         say(
             f"d9d: {target} failed after {seconds:.1f} s: {error}\n"
             "d9d: finished work is kept; fix the cause and run the same command to continue from where it failed\n"

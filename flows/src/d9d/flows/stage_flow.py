@@ -45,8 +45,8 @@ def plan_task(spec: StageSpec[Any], config: JobConfig) -> StagePlan:
 
 
 @task(name="check-manifest", cache_policy=NO_CACHE, persist_result=False)
-def check_task(directory: StageDirectory, plan: StagePlan) -> Completeness:
-    return directory.check(plan.key)
+def check_task(spec: StageSpec[Any], directory: StageDirectory, plan: StagePlan) -> Completeness:
+    return spec.check(directory, plan)
 
 
 @task(name="run", cache_policy=NO_CACHE, persist_result=False)
@@ -67,11 +67,12 @@ def publish_task(spec: StageSpec[Any], result: StageResult) -> None:
 
 def run_stage(spec: StageSpec[Any], config: JobConfig) -> StageResult:
     """The body of every stage flow."""
-    directory = StageDirectory(spec.output(config))
+    # A stage replaces only what it wrote itself, unless the job says `replace_outputs` (see the stage contract).
+    directory = StageDirectory(spec.output(config), replace=config.replace_outputs)
     progress = _progress()
     with directory.lock():
         plan = plan_task(spec, config)
-        completeness = check_task(directory, plan)
+        completeness = check_task(spec, directory, plan)
         if completeness.complete:
             progress.note(f"{spec.name}: skipped, {plan.output} is up to date ({completeness.reason})")
             result = spec.skipped(plan, completeness)

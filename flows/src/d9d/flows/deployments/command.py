@@ -25,7 +25,16 @@ def add_deployment_commands(commands: Any) -> None:
         help="start a Prefect server in the foreground",
         description="Start a Prefect server: SQLite under $D9D_HOME/server unless --database-url names Postgres.",
     )
-    start.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for a cluster)")
+    start.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on; beyond loopback it needs PREFECT_SERVER_API_AUTH_STRING or --behind-auth-proxy",
+    )
+    start.add_argument(
+        "--behind-auth-proxy",
+        action="store_true",
+        help="a reverse proxy in front authenticates every request (lets --host be a non-loopback address)",
+    )
     start.add_argument("--port", type=int, default=4200)
     start.add_argument(
         "--database-url",
@@ -95,7 +104,14 @@ def run_deployment_command(args: argparse.Namespace) -> int:
 def _server(args: argparse.Namespace) -> int:
     from d9d.flows.deployments.server import plan_server, start_server
 
-    plan = plan_server(host=args.host, port=args.port, database_url=args.database_url, ui=args.ui, environ=os.environ)
+    plan = plan_server(
+        host=args.host,
+        port=args.port,
+        database_url=args.database_url,
+        ui=args.ui,
+        environ=os.environ,
+        behind_auth_proxy=args.behind_auth_proxy,
+    )
     start_server(plan)
     return 1  # exec failed
 

@@ -3,10 +3,16 @@
 The server runs as `prefect server start` in place of this process (exec), so signals reach it directly. Its home
 is `$D9D_HOME/server`, apart from the embedded API's `$D9D_HOME/prefect`: two writers on one SQLite file lock each
 other out. For a team, point `--database-url` at Postgres (`postgresql+asyncpg://USER:PASSWORD@HOST:5432/prefect`).
+
+Prefect's open-source server has no users. On a loopback address only this machine reaches it; any other address
+is refused unless a login protects it: `PREFECT_SERVER_API_AUTH_STRING` (`user:password`, HTTP basic auth; clients
+set the same value as `PREFECT_API_AUTH_STRING`) or `--behind-auth-proxy` (the operator's statement that a reverse
+proxy in front of it authenticates every request). Passwords are never printed.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import sys
 import time
@@ -19,6 +25,8 @@ from pathlib import Path
 from d9d.flows.runtime import QUIET_SETTINGS, d9d_home
 
 DATABASE_URL_ENV = "PREFECT_API_DATABASE_CONNECTION_URL"
+SERVER_AUTH_ENV = "PREFECT_SERVER_API_AUTH_STRING"  # the server's basic-auth `user:password`
+CLIENT_AUTH_ENV = "PREFECT_API_AUTH_STRING"  # the same value, on every client
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,10 +44,12 @@ def plan_server(
     database_url: str | None,
     ui: bool,
     environ: Mapping[str, str],
+    behind_auth_proxy: bool = False,
 ) -> ServerPlan:
     """The command and environment that start the server; settings the user already set are kept."""
     if not 0 < port < 65536:
         raise ValueError(f"--port {port} is not a TCP port; use 1-65535 (Prefect's default is 4200)")
+    refuse_open_server(host, environ, behind_auth_proxy=behind_auth_proxy)
     env = dict(environ)
     for name, value in QUIET_SETTINGS.items():
         env.setdefault(name, value)
@@ -50,7 +60,7 @@ def plan_server(
     if database_url is not None:
         if not database_url.startswith(("postgresql+asyncpg://", "sqlite+aiosqlite://")):
             raise ValueError(
-                f"--database-url {database_url!r} is not a database Prefect can use; valid: "
+                f"--database-url {_redacted(database_url)!r} is not a database Prefect can use; valid: "
                 "postgresql+asyncpg://USER:PASSWORD@HOST:5432/DB or sqlite+aiosqlite:///PATH"
             )
         env[DATABASE_URL_ENV] = database_url
@@ -60,11 +70,35 @@ def plan_server(
     return ServerPlan(argv=argv, environ=env, api_url=f"http://{shown_host}:{port}/api", database=_redacted(database))
 
 
+def is_loopback(host: str) -> bool:
+    """Whether `host` is reachable from this machine only (`localhost` or a loopback address)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to any interface
+
+
+def refuse_open_server(host: str, environ: Mapping[str, str], *, behind_auth_proxy: bool) -> None:
+    """`ValueError` when the server would listen beyond this machine with no login in front of it."""
+    if is_loopback(host) or behind_auth_proxy or environ.get(SERVER_AUTH_ENV):
+        return
+    raise ValueError(
+        f"--host {host} would let anyone who reaches it run flows and read every run (Prefect's server has no "
+        f"users): set {SERVER_AUTH_ENV}=USER:PASSWORD (clients then set {CLIENT_AUTH_ENV} to the same value), "
+        "or put it behind a reverse proxy that authenticates every request and pass --behind-auth-proxy, "
+        "or listen on 127.0.0.1 (the default)"
+    )
+
+
 def start_server(plan: ServerPlan) -> None:
     """Replace this process with the Prefect server (returns only if exec fails)."""
     say = sys.stderr.write
     say(f"d9d: starting a Prefect server for {plan.api_url} ({plan.database})\n")
     say(f"d9d: in other shells and on workers: export PREFECT_API_URL={plan.api_url}\n")
+    if plan.environ.get(SERVER_AUTH_ENV):
+        say(f"d9d: clients log in: export {CLIENT_AUTH_ENV}=<the value of {SERVER_AUTH_ENV}>\n")
     sys.stderr.flush()
     sys.stdout.flush()
     os.execve(plan.argv[0], plan.argv, plan.environ)  # noqa: S606 - argv is fixed here, no shell involved

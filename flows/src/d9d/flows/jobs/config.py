@@ -26,6 +26,11 @@ class JobConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     workdir: Path = Field(default=Path("runs/default"), description="stage outputs go under this directory")
+    replace_outputs: bool = Field(
+        default=False,
+        description="let a stage replace an output path it did not write, or a complete output made with another "
+        "config or other inputs (default: refuse, naming the path and what replacing it would delete)",
+    )
     data_prep: DataPrepConfig = Field(default_factory=DataPrepConfig)
     finetune_data: FinetuneDataConfig = Field(default_factory=FinetuneDataConfig)
     convert: ConvertConfig = Field(default_factory=ConvertConfig)

@@ -3,9 +3,22 @@
 `torchrun` starts every rank in a session of its own, so signalling torchrun's process group does not reach the
 ranks. The launcher therefore starts torchrun in a new session (Ctrl-C on the terminal reaches only `d9d`), keeps
 a record of torchrun's descendants while it runs, and on SIGINT/SIGTERM (Ctrl-C, `kill`, Prefect's cancellation
-of a flow run) sends SIGTERM to torchrun and to every rank at once: the Trainer's ranks then agree to stop, finish
-the step and write a complete checkpoint. Whatever is left after `grace_seconds` gets SIGKILL. The signal is then
-handed to the handler that was installed before (so Prefect or the `d9d` command report the interruption).
+of a flow run) sends SIGTERM to every rank directly, not to torchrun: torchrun would forward it and SIGKILL the
+ranks 30 s later (a fixed timeout), too soon for a large checkpoint. The Trainer's ranks agree to stop, finish the
+step and write a complete checkpoint, and torchrun exits once they have. Whatever is left after `grace_seconds`
+gets SIGKILL. The signal is then handed to the handler that was installed before (so Prefect or the `d9d` command
+report the interruption). torchrun runs under `parent_death`: if the launcher's process dies (`kill -9`), torchrun
+gets SIGTERM and takes its ranks with it.
+
+`python -m d9d.flows.jobs.launch --grace SECONDS -- torchrun ARGS...` is the same stopper for one node of a cluster
+job (the Slurm and Kubernetes templates run it in place of a bare `torchrun`): SIGTERM or SIGUSR1 from the
+scheduler reaches the ranks at once and torchrun's 30 s never applies.
+
+A failing rank: torchrun starts stopping the others (`Sending process N closing signal`); the launcher then asks
+every rank still running for its Python stack (SIGUSR2; `prepare_rank` registered faulthandler for it, into
+`stacks/rank-R.txt` next to the log), gives them `failure_grace_seconds` to exit and SIGKILLs what is left, so a hung
+rank never holds the stage for torchrun's 30 s or a collective's timeout. The `LaunchError` names the rank that
+failed first (torchrun's root cause) and where each rank that was still running stood.
 
 Rank 0 reports progress as lines `d9d-progress {json}` on stdout (see `progress_line`); every other line is
 copied to the launch log and, if asked, to a callback. No Prefect here.
@@ -14,9 +27,11 @@ copied to the launch log and, if asked, to a callback. No Prefect here.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -30,8 +45,17 @@ from typing import IO, Any
 
 import psutil
 
+from d9d.flows.jobs.parent_death import guarded_command
+
 PROGRESS_PREFIX = "d9d-progress "
+STACKS_ENV = "D9D_STACKS_DIR"  # where prepare_rank's faulthandler writes a rank's stack on SIGUSR2
+STACK_SIGNAL = signal.SIGUSR2
+# torchrun stops the other ranks of a failed group before it reports the failure: its first such line is the sign.
+_RANK_FAILED = re.compile(r"Sending process \d+ closing signal|failed \(exitcode: -?\d+\) local_rank: \d+")
+_ROOT_CAUSE_FIELDS = re.compile(r"^\s*(rank|exitcode)\s*:\s*(.*)$")
+_FRAME = re.compile(r'^\s*File "(.+)", line (\d+) in (\S+)')
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_NODE_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)  # USR1: Slurm's `--signal=USR1@N`
 
 
 class LaunchError(RuntimeError):
@@ -55,6 +79,7 @@ class LaunchSpec:
     nproc_per_node: int
     log_file: Path
     grace_seconds: float = 60.0
+    failure_grace_seconds: float = 5.0  # after a rank failed: the others' time to exit before SIGKILL
     env: Mapping[str, str] = field(default_factory=dict)
 
 
@@ -67,6 +92,22 @@ def emit_progress(record: Mapping[str, Any]) -> None:
     """Report progress to the launcher (rank 0 of a rank program calls it; a plain run just prints the line)."""
     sys.stdout.write(progress_line(record) + "\n")
     sys.stdout.flush()
+
+
+def prepare_rank() -> None:
+    """Called first by every rank program: dump this rank's Python stack on SIGUSR2 (into the launcher's stacks
+    directory when it set one), and get SIGTERM (checkpoint and stop) if torchrun dies without stopping us."""
+    from d9d.flows.jobs.parent_death import die_with_parent
+
+    directory = os.environ.get(STACKS_ENV)
+    rank = os.environ.get("RANK", "0")
+    if directory:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        stack_file = (Path(directory) / f"rank-{rank}.txt").open("w", encoding="utf-8")  # open for life
+        faulthandler.register(STACK_SIGNAL, file=stack_file, all_threads=True)
+    else:
+        faulthandler.register(STACK_SIGNAL, all_threads=True)
+    die_with_parent(os.getppid(), signal.SIGTERM)
 
 
 def torchrun_command(spec: LaunchSpec) -> list[str]:
@@ -86,20 +127,21 @@ def launch(
 ) -> None:
     """Run `spec` to the end. Raises `LaunchError` on a failed exit, `LaunchCancelled` after a stop signal."""
     spec.log_file.parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **spec.env}
+    stacks = spec.log_file.parent / "stacks"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", STACKS_ENV: str(stacks), **spec.env}
     env.setdefault("OMP_NUM_THREADS", "1")  # N ranks on N cores; torch's default would oversubscribe them
     with spec.log_file.open("a", encoding="utf-8") as log:
         log.write(f"$ {' '.join(torchrun_command(spec))}\n")
         log.flush()
         process = subprocess.Popen(
-            torchrun_command(spec),
+            guarded_command(torchrun_command(spec)),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
             env=env,
             start_new_session=True,
         )
-        stopper = _Stopper(process, spec.grace_seconds)
+        stopper = _Stopper(process, spec.grace_seconds, failure_grace=spec.failure_grace_seconds)
         with stopper.signals_forwarded():
             output_ended = False
             try:
@@ -114,8 +156,9 @@ def launch(
         stopper.redeliver()
         raise LaunchCancelled(stopper.signum, f"{spec.module} stopped by {name}; every rank has exited")
     if code != 0:
+        details = "".join(f"; {line}" for line in [*stopper.root_cause(), *stopper.stacks(stacks)])
         raise LaunchError(
-            f"{spec.module} failed with exit code {code} on {spec.nproc_per_node} ranks; see {spec.log_file}"
+            f"{spec.module} failed with exit code {code} on {spec.nproc_per_node} ranks{details}; see {spec.log_file}"
         )
 
 
@@ -146,6 +189,7 @@ def _pump(
             continue
         if line is None:
             break
+        stopper.read(line)
         if line.startswith(PROGRESS_PREFIX):
             if on_progress is not None:
                 on_progress(json.loads(line[len(PROGRESS_PREFIX) :]))
@@ -160,9 +204,13 @@ def _pump(
 class _Stopper:
     """Tracks torchrun's process tree and stops all of it: SIGTERM first, SIGKILL after the grace period."""
 
-    def __init__(self, process: subprocess.Popen[str], grace_seconds: float) -> None:
+    def __init__(self, process: subprocess.Popen[Any], grace_seconds: float, *, failure_grace: float = 5.0) -> None:
         self._process = process
         self._grace = grace_seconds
+        self._failure_grace = failure_grace
+        self._failed_at: float | None = None
+        self._asked_for_stacks: list[str] = []  # RANKs asked to dump their stack
+        self._output: list[str] = []  # torchrun's failure report
         self._known: dict[int, psutil.Process] = {}
         self._deadline: float | None = None
         self._previous: dict[int, Any] = {}
@@ -171,8 +219,8 @@ class _Stopper:
 
     # Signals ---------------------------------------------------------------------------------------------------
 
-    def signals_forwarded(self) -> _Forwarding:
-        return _Forwarding(self)
+    def signals_forwarded(self, signals: Sequence[int] = _STOP_SIGNALS) -> _Forwarding:
+        return _Forwarding(self, signals)
 
     def on_signal(self, signum: int, frame: FrameType | None) -> None:
         del frame
@@ -180,7 +228,7 @@ class _Stopper:
             self.signum = signum
             self._deadline = time.monotonic() + self._grace
             self._scan()
-            self._signal_all(signal.SIGTERM)
+            self._ask_to_stop()
 
     def redeliver(self) -> None:
         """Hand the stop signal to the handler that was there before (Prefect's, the CLI's, or the default)."""
@@ -203,6 +251,52 @@ class _Stopper:
             self._scan()
         if self._deadline is not None and now >= self._deadline:
             self._signal_all(signal.SIGKILL)
+        if self._failed_at is not None and self.signum is None and now >= self._failed_at + self._failure_grace:
+            for proc in self._ranks():  # hung or slow to notice: torchrun itself then exits with its report
+                _send(proc, signal.SIGKILL)
+
+    # A failed rank -------------------------------------------------------------------------------------------------
+
+    def read(self, line: str) -> None:
+        """Follow torchrun's output: its first `failed (exitcode ...)` starts the failure handling; its root-cause
+        report is kept for the error message."""
+        if self._failed_at is None and self.signum is None and _RANK_FAILED.search(line):
+            self._failed_at = time.monotonic()
+            self._scan()
+            for proc in self._ranks():
+                with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                    self._asked_for_stacks.append(proc.environ().get("RANK", "?"))
+                    proc.send_signal(STACK_SIGNAL)
+        if self._failed_at is not None:
+            self._output.append(line)
+
+    def root_cause(self) -> list[str]:
+        """torchrun's root cause, e.g. `first failure: rank 1 (local_rank: 1), exitcode -9 (pid: 123)`."""
+        text = "".join(self._output)
+        block = text.split("Root Cause", 1)[1] if "Root Cause" in text else ""
+        fields: dict[str, str] = {}
+        for line in block.splitlines():
+            if match := _ROOT_CAUSE_FIELDS.match(line):
+                fields.setdefault(match.group(1), match.group(2).strip())
+        if "rank" not in fields:
+            return []
+        signal_note = re.search(r"Signal \d+ \((SIG\w+)\) received", block)
+        cause = f"exitcode {fields.get('exitcode', '?')}" + (f", {signal_note.group(1)}" if signal_note else "")
+        return [f"first failure: rank {fields['rank']}, {cause}"]
+
+    def stacks(self, directory: Path) -> list[str]:
+        """Where each rank still running at the failure stood: the innermost frames of its dumped stack."""
+        lines = []
+        for rank in sorted(set(self._asked_for_stacks)):
+            path = directory / f"rank-{rank}.txt"
+            frames = [m.groups() for m in map(_FRAME.match, _read(path).splitlines()) if m is not None]
+            if frames:
+                shown = " < ".join(f"{name} ({Path(file).name}:{line})" for file, line, name in frames[:3])
+                lines.append(f"rank {rank} was still running, in {shown} (whole stack: {path})")
+        return lines
+
+    def _ranks(self) -> list[psutil.Process]:
+        return [proc for proc in self._alive() if proc.pid != self._process.pid and _is_rank(proc)]
 
     def stop_all(self, *, output_ended: bool) -> None:
         """Leave nothing running: torchrun and every rank it ever had (SIGTERM, wait the grace period, SIGKILL)."""
@@ -213,7 +307,7 @@ class _Stopper:
         # torchrun is reaped through Popen (so its exit code survives), the ranks through psutil.
         ranks = [proc for proc in self._alive() if proc.pid != self._process.pid]
         if self._process.poll() is None or ranks:
-            self._signal_all(signal.SIGTERM)
+            self._ask_to_stop()
             deadline = self._deadline if self._deadline is not None else time.monotonic() + self._grace
             try:
                 self._process.wait(timeout=max(deadline - time.monotonic(), 0.0))
@@ -243,17 +337,25 @@ class _Stopper:
         for proc in self._alive():
             _send(proc, signum)
 
+    def _ask_to_stop(self) -> None:
+        """SIGTERM to the ranks themselves (torchrun would SIGKILL them 30 s after forwarding it); to torchrun only
+        while it has no ranks (still in its rendezvous), or once they are gone."""
+        ranks = [proc for proc in self._alive() if proc.pid != self._process.pid and _is_rank(proc)]
+        for proc in ranks or self._alive():
+            _send(proc, signal.SIGTERM)
+
 
 class _Forwarding:
-    """Install the stopper's handler for SIGINT and SIGTERM while the launch runs (main thread only)."""
+    """Install the stopper's handler for the stop signals while the launch runs (main thread only)."""
 
-    def __init__(self, stopper: _Stopper) -> None:
+    def __init__(self, stopper: _Stopper, signals: Sequence[int] = _STOP_SIGNALS) -> None:
         self._stopper = stopper
+        self._signals = signals
 
     def __enter__(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return  # signals reach only the main thread; a caller elsewhere stops us by its own means
-        for signum in _STOP_SIGNALS:
+        for signum in self._signals:
             self._stopper._previous[signum] = signal.signal(signum, self._stopper.on_signal)
 
     def __exit__(self, *exc: object) -> None:
@@ -265,3 +367,58 @@ class _Forwarding:
 def _send(proc: psutil.Process, signum: int) -> None:
     with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
         proc.send_signal(signum)
+
+
+def _is_rank(proc: psutil.Process) -> bool:
+    """torchrun's workers carry their rank in the environment; torchrun's helpers (the parent_death wrapper
+    exec'ed into torchrun, a multiprocessing resource tracker) do not."""
+    try:
+        return "LOCAL_RANK" in proc.environ()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
+
+
+def _read(path: Path) -> str:
+    for _ in range(20):  # faulthandler writes from a signal handler: give it a moment
+        with contextlib.suppress(OSError):
+            text = path.read_text(encoding="utf-8", errors="replace")
+            if text:
+                return text
+        time.sleep(0.05)
+    return ""
+
+
+def run_node(command: Sequence[str], *, grace_seconds: float) -> int:
+    """Run `command` (a torchrun) to the end as one node of a cluster job: stop signals go to its ranks directly,
+    SIGKILL after `grace_seconds`. Returns torchrun's exit code, or 128 + the signal after a stop."""
+    process = subprocess.Popen(list(command), start_new_session=True)
+    stopper = _Stopper(process, grace_seconds)
+    with stopper.signals_forwarded(_NODE_STOP_SIGNALS):
+        try:
+            while process.poll() is None:
+                stopper.watch()
+                time.sleep(0.2)
+        finally:
+            stopper.stop_all(output_ended=True)
+    code = process.wait()
+    return 128 + stopper.signum if stopper.signum is not None else code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m d9d.flows.jobs.launch",
+        description="Run torchrun as one node of a cluster job; stop signals go to the ranks directly.",
+    )
+    parser.add_argument("--grace", type=float, required=True, help="seconds from the stop signal to SIGKILL")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- torchrun ARGS...")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("give the command after --, e.g. -- torchrun --nnodes 2 ...")
+    return run_node(command, grace_seconds=args.grace)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -58,6 +58,10 @@ def _no_preflight(config: JobConfig) -> None:
     del config
 
 
+def _manifest_check(directory: StageDirectory, plan: StagePlan) -> Completeness:
+    return directory.check(plan.key)
+
+
 def _no_artifacts(result: StageResult) -> Sequence[Artifact]:
     del result
     return ()
@@ -73,6 +77,7 @@ class StageSpec(Generic[PlanT]):
     - `preflight(config)`: checks that can fail before anything starts (names field, value and fix).
     - `plan(config, progress)`: its inputs fingerprinted into a key; `describe(plan)`: the "running ..." line.
     - `run(plan, directory, progress)`: do the work in the directory's partial directory and commit it.
+    - `check(directory, plan)`: whether the output is complete for the plan's key (default: its manifest).
     - `skipped(plan, completeness)`: the result when the manifest says it is complete.
     - `artifacts(result)`: what the Prefect flow publishes on its run page (plain data).
     """
@@ -87,6 +92,7 @@ class StageSpec(Generic[PlanT]):
     skipped: Callable[[PlanT, Completeness], StageResult]
     describe: Callable[[PlanT], str] = field(default=lambda plan: "running")
     preflight: Callable[[JobConfig], None] = _no_preflight
+    check: Callable[[StageDirectory, PlanT], Completeness] = _manifest_check
     artifacts: Callable[[StageResult], Sequence[Artifact]] = _no_artifacts
 
     @property

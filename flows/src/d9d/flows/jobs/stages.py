@@ -6,7 +6,7 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 from d9d.flows.jobs.config import JobConfig
-from d9d.flows.jobs.contract import ManifestError, StageManifest
+from d9d.flows.jobs.contract import ManifestError, StageDirectory, StageManifest
 from d9d.flows.jobs.convert.stage import SPEC as CONVERT
 from d9d.flows.jobs.data_prep.stage import SPEC as DATA_PREP
 from d9d.flows.jobs.evaluate.stage import SPEC as EVALUATE
@@ -42,5 +42,7 @@ def preflight(config: JobConfig, names: Sequence[str]) -> None:
     """Every check that can fail before anything starts, for the stages `names` run in this order."""
     for index, name in enumerate(names):
         spec = STAGES[name]
+        # Refuses a stage output that would replace what the stage did not write (unless `replace_outputs`).
+        StageDirectory(spec.output(config), replace=config.replace_outputs).refuse_foreign()
         spec.preflight(config)
         require_inputs(config, spec, running=names[:index])

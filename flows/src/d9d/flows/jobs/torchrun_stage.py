@@ -4,6 +4,8 @@ launch of a training rank program with its progress turned into a losses file.""
 from __future__ import annotations
 
 import json
+import math
+import os
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -26,6 +28,7 @@ JOB_FILE = "job.yaml"
 LOSSES_FILE = "losses.jsonl"
 LOG_FILE = "launch.log"
 KEY_FIELDS_SINCE_0009 = frozenset({"base", "base_mapping", "export_hf_peft"})
+_TAIL_BYTES = 4096  # longer than any loss record
 
 
 class LaunchedStageConfig(RankTopology):
@@ -138,7 +141,23 @@ def launch_training(
         failed = False
     finally:
         progress.finish(failed=failed)
-    return TrainingRun(losses=read_losses(root / LOSSES_FILE), resumed_from=tracker.resumed_from, started=started)
+    losses = read_losses(root / LOSSES_FILE)
+    require_finite_last_loss(losses, name=name)
+    return TrainingRun(losses=losses, resumed_from=tracker.resumed_from, started=started)
+
+
+class NonFiniteLossError(RuntimeError):
+    """A training stage's last loss is inf or nan: its model is not committed as the stage's output."""
+
+
+def require_finite_last_loss(losses: dict[int, float], *, name: str) -> None:
+    """Refuse to let a stage commit a model whose last recorded loss is not finite (its checkpoints stay)."""
+    if losses and not math.isfinite(last := losses[max(losses)]):
+        raise NonFiniteLossError(
+            f"{name}: the loss of the last step ({max(losses)}) is {last}; the model is not committed as the "
+            "stage's output (its partial directory and checkpoints are kept). Lower the learning rate or check "
+            "the data, then rerun"
+        )
 
 
 class StepTracker:
@@ -158,14 +177,43 @@ class StepTracker:
                 if record["step"]:
                     self._progress.advance(float(record["step"]), f"resumed from {self.resumed_from}")
             case "step":
-                with self._path.open("a", encoding="utf-8") as handle:
-                    handle.write(json.dumps({"step": record["step"], "loss": record["loss"]}) + "\n")
+                append_loss(self._path, int(record["step"]), float(record["loss"]))
                 self._progress.advance(1.0, f"loss {record['loss']:.3f}")
 
 
+def append_loss(path: Path, step: int, loss: float) -> None:
+    """Append one record; a torn last line (the writer was killed mid-line) is cut off first, so that torn text
+    never ends up in the middle of the file where `read_losses` would refuse it."""
+    line = json.dumps({"step": step, "loss": loss}) + "\n"
+    with path.open("a+b") as handle:
+        size = handle.seek(0, os.SEEK_END)
+        if size:
+            handle.seek(max(size - _TAIL_BYTES, 0))
+            tail = handle.read()
+            if not tail.endswith(b"\n"):
+                cut = tail.rfind(b"\n")
+                handle.truncate(size - len(tail) + cut + 1 if cut >= 0 else max(size - len(tail), 0))
+        handle.write(line.encode("utf-8"))
+
+
 def read_losses(path: Path) -> dict[int, float]:
-    """Step -> training loss; a step recorded by several attempts keeps its last value."""
+    """Step -> training loss; a step recorded by several attempts keeps its last value.
+
+    A torn last line (a writer killed mid-line) is skipped, as the tracker's reader does: that step is logged again
+    by the resumed run. An unreadable line anywhere else is damage, not a kill, and is an error naming the line.
+    """
     if not path.is_file():
         return {}
-    records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    return {int(record["step"]): float(record["loss"]) for record in records}
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    losses: dict[int, float] = {}
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            losses[int(record["step"])] = float(record["loss"])
+        except (ValueError, KeyError, TypeError) as error:
+            if number == len(lines):
+                break  # torn by a kill while it was written
+            raise ValueError(f"{path}:{number} is not a loss record ({error!r}): {line[:80]!r}") from error
+    return losses

@@ -14,6 +14,7 @@ from d9d.states.engine.ranks import Ranks
 from d9d.states.engine.schedule import assign_groups
 from d9d.states.engine.staged import write_staged
 from d9d.states.engine.transfer import transfer_groups
+from d9d.states.errors import CheckpointError
 from d9d.states.io.shards import DEFAULT_SHARD_BYTES, ShardedWriter, WrittenFile
 from d9d.states.io.source import CheckpointSource
 from d9d.states.mapper.api import ModelStateMapper
@@ -59,6 +60,7 @@ def convert_checkpoint(
     them in memory instead.
     """
     start = time.perf_counter()
+    refuse_overlap(Path(source), Path(destination))
     checkpoint, mapper, plan = _open_and_plan(source, mapping, allow_unused=allow_unused)
     ranks = Ranks.current(process_group)
     mine = plan.subset(assign_groups(plan, ranks.size)[ranks.rank]) if ranks.size > 1 else plan
@@ -90,6 +92,22 @@ def convert_checkpoint(
         largest_group_bytes=plan.largest_group_bytes,
         seconds=time.perf_counter() - start,
     )
+
+
+def refuse_overlap(source: Path, destination: Path) -> None:
+    """`CheckpointError` when `destination` is `source`, inside it, or holds it: publishing it (with overwrite)
+    would delete the source the conversion reads. Symbolic links are followed."""
+    source, destination = source.resolve(), destination.resolve()
+    if destination == source:
+        raise CheckpointError(f"{destination}: the destination is the source; convert into another directory")
+    if destination.is_relative_to(source):
+        raise CheckpointError(
+            f"{destination}: the destination is inside the source {source}; convert into a directory outside it"
+        )
+    if source.is_relative_to(destination):
+        raise CheckpointError(
+            f"{destination}: the destination holds the source {source}; convert into a directory outside it"
+        )
 
 
 def plan_conversion(

@@ -10,6 +10,7 @@ from d9d.flows.jobs.contract.stage_directory import (
     Piece,
     StageBusyError,
     StageDirectory,
+    StageOutputConflict,
     Status,
 )
 
@@ -24,6 +25,7 @@ __all__ = [
     "StageDirectory",
     "StageKey",
     "StageManifest",
+    "StageOutputConflict",
     "StageReporter",
     "StageResult",
     "StageStatus",

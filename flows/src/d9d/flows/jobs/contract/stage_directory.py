@@ -7,6 +7,14 @@ redoing them. When everything is written the stage commits: files it did not lis
 in, and the partial directory is renamed onto the target. The target therefore either holds a complete output
 with its manifest or does not exist; a directory without a valid manifest, or whose listed files are missing or
 of the wrong size, is never taken as complete.
+
+A stage replaces only what it wrote itself. Before it starts work (`open_partial`) and again when it commits, the
+target must be absent, empty, or this stage's own output (its manifest, and nothing at the top level that the
+manifest does not list); the partial directory must carry the stage's `.pieces` record. Anything else (a user's
+`data/` folder under `--set workdir=/shared`, another stage's output) is refused with `StageOutputConflict` naming
+the path. A *complete* output made for another key (a one-off `--set pretrain.steps=30` next to a finished run) is
+refused too, naming what replacing it would delete: a stage never destroys finished work because its key changed.
+`replace=True` (the job's `replace_outputs`) is the explicit option that lets it replace either.
 """
 
 from __future__ import annotations
@@ -16,20 +24,31 @@ import fcntl
 import json
 import os
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from d9d.flows.jobs.contract.fingerprint import FileFingerprint
-from d9d.flows.jobs.contract.manifest import ManifestError, StageKey, StageManifest
+from d9d.flows.jobs.contract.manifest import MANIFEST_FILENAME, ManifestError, StageKey, StageManifest
 
 PIECES_DIRNAME = ".pieces"
 
 
 class StageBusyError(RuntimeError):
     """Another process is writing the same stage output."""
+
+
+class StageOutputConflict(RuntimeError):
+    """The stage would replace a path it did not write, or a complete output made for another key (names both)."""
+
+
+REPLACE_HINT = (
+    "point the stage elsewhere (--set workdir=DIR, or the stage section's output=DIR), or pass "
+    "--set replace_outputs=true to replace it"
+)
+_LISTED = 5  # paths named in a refusal
 
 
 class Status(enum.Enum):
@@ -109,8 +128,9 @@ class PartialStage:
 class StageDirectory:
     """The output directory `target` of one stage, and its partial sibling."""
 
-    def __init__(self, target: Path) -> None:
+    def __init__(self, target: Path, *, replace: bool = False) -> None:
         self.target = target
+        self.replace = replace  # the explicit option: replace a foreign or stale path instead of refusing
         self.partial = target.parent / f".{target.name}.partial"
         self._replaced = target.parent / f".{target.name}.replaced"
         self._lock_path = target.parent / f".{target.name}.lock"
@@ -166,9 +186,56 @@ class StageDirectory:
             finally:
                 fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
-    def open_partial(self) -> PartialStage:
-        """The partial directory, kept from an earlier attempt if there is one (its pieces carry their own keys)."""
+    def open_partial(self, key: StageKey | None = None) -> PartialStage:
+        """The partial directory, kept from an earlier attempt if there is one (its pieces carry their own keys).
+
+        Refuses (`StageOutputConflict`) before any work when the commit would replace what this stage did not
+        write, or a complete output for another key; `key` names what changed in that message.
+        """
+        self.claim(key)
         return PartialStage(self.partial)
+
+    def claim(self, key: StageKey | None = None) -> None:
+        """Raise `StageOutputConflict` unless every path this stage will replace is its own (or `replace` is set)."""
+        if self.replace:
+            return
+        problem = self._foreign_sibling() or self._target_conflict(key, stale=True)
+        if problem is not None:
+            raise StageOutputConflict(f"{problem}; {REPLACE_HINT}")
+
+    def refuse_foreign(self) -> None:
+        """`claim` without a key, before planning: refuse only paths that are no d9d stage's output (a preflight:
+        whether a complete output is up to date or stale is decided once the stage knows its key)."""
+        if self.replace:
+            return
+        problem = self._foreign_sibling() or self._target_conflict(None, stale=False)
+        if problem is not None:
+            raise StageOutputConflict(f"{problem}; {REPLACE_HINT}")
+
+    def _foreign_sibling(self) -> str | None:
+        if self.partial.exists() and not (self.partial / PIECES_DIRNAME).is_dir():
+            return f"{self.partial} exists but is not a d9d partial directory (it has no {PIECES_DIRNAME} record)"
+        if self._replaced.exists() and not _has_manifest(self._replaced):
+            return f"{self._replaced} exists but is not a d9d stage output (it has no manifest)"
+        return None
+
+    def _target_conflict(self, key: StageKey | None, *, stale: bool) -> str | None:
+        target = self.target
+        if not target.exists() and not target.is_symlink():
+            return None
+        if target.is_symlink() or not target.is_dir():
+            return f"{target} exists and is not a directory: it is not a stage output, refusing to replace it"
+        entries = sorted(target.iterdir())
+        if not entries:
+            return None
+        try:
+            manifest = StageManifest.read(target)
+        except ManifestError:
+            return (
+                f"{target} exists and is not a d9d stage output (no valid manifest; it holds "
+                f"{_list(entry.name + ('/' if entry.is_dir() else '') for entry in entries)}): refusing to replace it"
+            )
+        return _manifest_conflict(target, entries, manifest, key, stale=stale)
 
     def commit(
         self,
@@ -181,6 +248,7 @@ class StageDirectory:
         created_at: str,
     ) -> StageManifest:
         """Prune everything but `outputs`, write the manifest, and rename the partial directory onto the target."""
+        self.claim(key)  # again: the target may have changed while the stage ran
         keep = {Path(name) for name in outputs}
         for name in outputs:
             if not (partial.root / name).is_file():
@@ -211,6 +279,62 @@ class StageDirectory:
         for path in (self.target, self.partial, self._replaced):
             if path.exists():
                 shutil.rmtree(path)
+
+
+def _manifest_conflict(
+    target: Path, entries: list[Path], manifest: StageManifest, key: StageKey | None, *, stale: bool
+) -> str | None:
+    """Why `target`, a stage output, may not be replaced by `key`'s stage: another stage's, holding files its
+    manifest does not list, or (`stale`) complete for another key; None when it may."""
+    stage = key.stage if key is not None else manifest.stage
+    if manifest.stage != stage:
+        return f"{target} is the output of stage {manifest.stage!r}, not {stage!r}: refusing to replace it"
+    own = {MANIFEST_FILENAME, f".{MANIFEST_FILENAME}.tmp"} | {Path(o.name).parts[0] for o in manifest.outputs}
+    foreign = [entry for entry in entries if entry.name not in own]
+    if foreign:
+        return (
+            f"{target} holds {_list(str(entry) for entry in foreign)}, which its {stage} manifest does not list: "
+            "refusing to replace what this stage did not write"
+        )
+    if stale and _outputs_present(target, manifest) and (key is None or manifest.key != key.digest):
+        change = _describe_change(manifest, key) if key is not None else "its key differs"
+        size = sum(output.size for output in manifest.outputs)
+        return (
+            f"{target} holds a complete {stage} output (made {manifest.created_at or 'earlier'}) for another key "
+            f"({change}); replacing it would delete its {len(manifest.outputs)} files, {size / 2**20:.1f} MiB "
+            f"({_list(_top_level(manifest))})"
+        )
+    return None
+
+
+def _has_manifest(directory: Path) -> bool:
+    try:
+        StageManifest.read(directory)
+    except ManifestError:
+        return False
+    return True
+
+
+def _outputs_present(target: Path, manifest: StageManifest) -> bool:
+    for output in manifest.outputs:
+        path = target / output.name
+        if not path.is_file() or path.stat().st_size != output.size:
+            return False
+    return True
+
+
+def _top_level(manifest: StageManifest) -> list[str]:
+    names: dict[str, None] = {}
+    for output in manifest.outputs:
+        parts = Path(output.name).parts
+        names[parts[0] + ("/" if len(parts) > 1 else "")] = None
+    return list(names)
+
+
+def _list(names: Iterable[str]) -> str:
+    shown = list(names)
+    more = f" and {len(shown) - _LISTED} more" if len(shown) > _LISTED else ""
+    return ", ".join(shown[:_LISTED]) + more
 
 
 def _prune(root: Path, keep: set[Path]) -> None:

@@ -140,17 +140,19 @@ def convert_model(
     *,
     architecture: Qwen3DenseParameters = TINY_QWEN3_MOE,
     progress: Progress | None = None,
+    replace: bool = False,
 ) -> StageResult:
-    """The whole stage in this process, without an orchestrator: skip when complete, else convert and commit."""
+    """The whole stage in this process, without an orchestrator: skip when complete, else convert and commit
+    (`replace`: replace a foreign or stale `output` instead of refusing, see `StageDirectory`)."""
     progress = progress or NoProgress()
-    directory = StageDirectory(output)
+    directory = StageDirectory(output, replace=replace)
     with directory.lock():
         source = prepare_source(config, output, progress, architecture=architecture)
         plan = plan_convert(config, output, source, architecture=architecture)
         completeness = directory.check(plan.key)
         if completeness.complete:
             return skipped(plan, completeness)
-        partial = directory.open_partial()
+        partial = directory.open_partial(plan.key)
         files, statistics = run_convert(plan, partial)
         result = commit(directory, partial, plan, files, statistics)
     return result.with_reason(completeness.reason)
@@ -174,7 +176,7 @@ def preflight(config: JobConfig) -> None:
 
 
 def _run(plan: ConvertPlan, directory: StageDirectory, progress: Progress) -> StageResult:
-    partial = directory.open_partial()
+    partial = directory.open_partial(plan.key)
     files, statistics = run_convert(plan, partial)
     return commit(directory, partial, plan, files, statistics)
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from d9d.core.data import INDEX_FILENAME, TokenShardFormatError, TokenShardSet
 from d9d.flows.jobs.contract import (
     Completeness,
     PartialStage,
     StageDirectory,
     StageReporter,
     StageResult,
+    Status,
 )
 from d9d.flows.jobs.data_prep.config import DataPrepConfig
 from d9d.flows.jobs.data_prep.prepare import (
@@ -40,6 +42,21 @@ REPORTER = StageReporter(
 )
 
 
+def check(directory: StageDirectory, plan: DataPrepPlan) -> Completeness:
+    """The manifest check, plus every shard set's checksums: a corrupt shard makes the output incomplete, so the
+    stage writes it again instead of skipping it."""
+    completeness = directory.check(plan.key)
+    if completeness.complete:
+        for index in sorted(directory.target.rglob(INDEX_FILENAME)):
+            try:
+                TokenShardSet(index.parent)
+            except TokenShardFormatError as error:
+                return Completeness(
+                    status=Status.INCOMPLETE, reason=f"corrupt token shards: {error}", manifest=completeness.manifest
+                )
+    return completeness
+
+
 def skipped(plan: DataPrepPlan, completeness: Completeness) -> StageResult:
     return REPORTER.skipped(plan.output, completeness)
 
@@ -52,16 +69,19 @@ def commit(
     )
 
 
-def prepare_data(config: DataPrepConfig, output: Path, *, progress: Progress | None = None) -> StageResult:
-    """The whole stage in this process, without an orchestrator: skip when complete, else run and commit."""
+def prepare_data(
+    config: DataPrepConfig, output: Path, *, progress: Progress | None = None, replace: bool = False
+) -> StageResult:
+    """The whole stage in this process, without an orchestrator: skip when complete, else run and commit
+    (`replace`: replace a foreign or stale `output` instead of refusing, see `StageDirectory`)."""
     progress = progress or NoProgress()
-    directory = StageDirectory(output)
+    directory = StageDirectory(output, replace=replace)
     with directory.lock():
         plan = plan_data_prep(config, output)
-        completeness = directory.check(plan.key)
+        completeness = check(directory, plan)
         if completeness.complete:
             return skipped(plan, completeness)
-        partial = directory.open_partial()
+        partial = directory.open_partial(plan.key)
         outcome = run_data_prep(plan, partial, progress=progress)
         result = commit(directory, partial, plan, outcome)
     return result.with_reason(completeness.reason)
@@ -69,7 +89,7 @@ def prepare_data(config: DataPrepConfig, output: Path, *, progress: Progress | N
 
 def run_stage(plan: DataPrepPlan, directory: StageDirectory, progress: Progress) -> StageResult:
     """Tokenize into the directory's partial directory (reusing what an earlier attempt finished) and commit."""
-    partial = directory.open_partial()
+    partial = directory.open_partial(plan.key)
     return commit(directory, partial, plan, run_data_prep(plan, partial, progress=progress))
 
 
@@ -85,6 +105,7 @@ SPEC: StageSpec[DataPrepPlan] = StageSpec(
     output=lambda config: config.data_prep_output,
     preflight=_preflight,
     plan=lambda config, progress: plan_data_prep(config.data_prep, config.data_prep_output),
+    check=check,
     run=run_stage,
     skipped=skipped,
 )

@@ -30,7 +30,7 @@ from d9d.core.dist import DistributedContext
 from d9d.core.loop import Inference, LoaderDataSource
 from d9d.core.loop.trainer import TRAINER_STATE_FILE
 from d9d.flows.jobs.evaluate.config import EvaluateConfig, EvaluateSuiteConfig
-from d9d.flows.jobs.launch import emit_progress
+from d9d.flows.jobs.launch import emit_progress, prepare_rank
 from d9d.flows.jobs.rank_wiring import PackedCausalLMTask, data_parallel_size, packed_loader
 from d9d.flows.jobs.weights import load_converted_weights
 from d9d.metrics import BitsPerByteMetric, PerplexityMetric
@@ -125,6 +125,7 @@ def log_report(report: EvaluationReport, config: EvaluateConfig) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    prepare_rank()  # stack dumps on SIGUSR2, SIGTERM if torchrun dies
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, required=True)
     parser.add_argument("--suite", action="store_true", help="the config is a suite of candidates")

@@ -374,7 +374,7 @@ def reads(config: JobConfig) -> dict[str, Path]:
 
 
 def _run(plan: EvaluatePlan, directory: StageDirectory, progress: Progress) -> StageResult:
-    partial = directory.open_partial()
+    partial = directory.open_partial(plan.key)
     return commit(directory, partial, plan, run_evaluate_stage(plan, partial, progress))
 
 

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from d9d.flows.jobs.data_prep.config import AnyCorpus, AnyTokenizer, DataPrepConfig, EmbeddedCorpus, FileTokenizer
 from d9d.flows.jobs.data_prep.corpus import check_readable, corpus_files, text_field_of
 from d9d.flows.jobs.data_prep.prepare import TOKENIZER_FILE, DataPrepPlan, plan_data_prep
-from d9d.flows.jobs.data_prep.stage import run_stage, skipped
+from d9d.flows.jobs.data_prep.stage import check, run_stage, skipped
 from d9d.flows.jobs.stage_spec import StageSpec
 
 if TYPE_CHECKING:
@@ -70,6 +70,7 @@ SPEC: StageSpec[DataPrepPlan] = StageSpec(
     output=lambda config: config.finetune_data_output,
     preflight=preflight,
     plan=lambda config, progress: plan_data_prep(config.finetune_data_prep, config.finetune_data_output),
+    check=check,
     run=run_stage,
     skipped=skipped,
 )

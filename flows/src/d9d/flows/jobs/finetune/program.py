@@ -36,6 +36,7 @@ from d9d.core.lr import build_lr_scheduler
 from d9d.core.optim import build_optimizer
 from d9d.flows.jobs.finetune.base import load_base, resolve_base
 from d9d.flows.jobs.finetune.config import FinetuneRankConfig
+from d9d.flows.jobs.launch import prepare_rank
 from d9d.flows.jobs.rank_wiring import PackedCausalLMTask, packed_loader, report_progress
 from d9d.metrics.trackers import build_tracker
 from d9d.models.catalogue import (
@@ -190,6 +191,7 @@ def run_finetune(config: FinetuneRankConfig, ctx: DistributedContext, events: Ev
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    prepare_rank()  # stack dumps on SIGUSR2, SIGTERM if torchrun dies
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, required=True)
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")

@@ -224,7 +224,7 @@ def reads(config: JobConfig) -> dict[str, Path]:
 
 
 def _run(plan: FinetunePlan, directory: StageDirectory, progress: Progress) -> StageResult:
-    partial = directory.open_partial()
+    partial = directory.open_partial(plan.key)
     progress.note(f"finetune: {prepare_partial(partial, plan.key)} on {plan.config.nproc_per_node} ranks")
     return commit(directory, partial, plan, run_finetune_stage(plan, partial, progress))
 

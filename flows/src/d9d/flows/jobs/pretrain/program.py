@@ -23,6 +23,7 @@ from d9d.core.dist import DistributedContext
 from d9d.core.loop import BuiltModel, EventBus, LoaderDataSource, ModelLoader, TrainResult, build_trainer
 from d9d.core.lr import build_lr_scheduler
 from d9d.core.optim import build_optimizer
+from d9d.flows.jobs.launch import prepare_rank
 from d9d.flows.jobs.pretrain.config import PretrainRankConfig
 from d9d.flows.jobs.rank_wiring import PackedCausalLMTask, packed_loader, report_progress
 from d9d.flows.jobs.weights import load_converted_weights
@@ -86,6 +87,7 @@ def run_pretrain(config: PretrainRankConfig, ctx: DistributedContext, events: Ev
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    prepare_rank()  # stack dumps on SIGUSR2, SIGTERM if torchrun dies
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, required=True)
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")

@@ -241,7 +241,7 @@ def _plan(config: JobConfig, progress: Progress) -> PretrainPlan:
 
 
 def _run(plan: PretrainPlan, directory: StageDirectory, progress: Progress) -> StageResult:
-    partial = directory.open_partial()
+    partial = directory.open_partial(plan.key)
     progress.note(f"pretrain: {prepare_partial(partial, plan.key)} on {plan.config.nproc_per_node} ranks")
     return commit(directory, partial, plan, run_pretrain_stage(plan, partial, progress))
 

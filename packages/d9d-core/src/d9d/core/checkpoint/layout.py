@@ -1,6 +1,6 @@
 """Where job checkpoints live and which of them are complete.
 
-`<root>/step-00000010/` holds one checkpoint: DCP files, `rng/rank-XXXXX.pt` per rank and, written last by rank 0
+`<root>/step-00000010/` holds one checkpoint: DCP files, `rng/rank-XXXXX.json` per rank and, written last by rank 0
 after every rank finished, the completion marker `COMPLETE`. A folder without the marker is an interrupted write:
 never loaded, removed by the next retention pass once a newer complete checkpoint exists.
 """

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from d9d.core.config.finite import require_finite
 from d9d.core.config.overrides import ConfigError, apply_override, format_validation_error, merge_config
 
 TConfig = TypeVar("TConfig", bound=BaseModel)
@@ -87,19 +88,22 @@ def load_config(
 ) -> TConfig:
     """`config_type` from `defaults` (e.g. a preset), the file at `path` merged over them section by section, then
     each `key.path=value` override in order; validated once. Raises `ConfigError` naming every bad key and value
-    (`source` says where the values came from in the message)."""
+    (`source` says where the values came from in the message); `NonFiniteConfigError` (a `ConfigError`) when a
+    float field is inf or nan."""
     data = _deep_copy(defaults or {})
     if path is not None:
         data = merge_config(data, read_config_file(Path(path)))
     for assignment in overrides:
         data = apply_override(data, assignment, config_type)
     try:
-        return config_type.model_validate(data)
+        config = config_type.model_validate(data)
     except ValidationError as error:
         where = source or " and ".join(
             part for part in (str(path) if path else "", "--set" if overrides else "") if part
         )
         raise ConfigError(format_validation_error(error, config_type, source=where or "defaults")) from error
+    require_finite(config)
+    return config
 
 
 def dump_config(config: BaseModel, path: Path | str) -> Path:

@@ -29,6 +29,7 @@ from d9d.core.data.token_dataset import PackedTokenDataset, TokenDocumentDataset
 from d9d.core.data.token_shards import (
     FORMAT_VERSION,
     INDEX_FILENAME,
+    READABLE_VERSIONS,
     SHARD_SUFFIX,
     ShardInfo,
     TokenDType,
@@ -46,6 +47,7 @@ __all__ = [
     "FORMAT_VERSION",
     "IGNORE_INDEX",
     "INDEX_FILENAME",
+    "READABLE_VERSIONS",
     "SHARD_SUFFIX",
     "AnySampleOrderConfig",
     "DataLoaderConfig",

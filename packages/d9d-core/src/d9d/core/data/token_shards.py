@@ -10,7 +10,8 @@ little-endian and laid out so that every array in it can be memory-mapped as it 
           24   tokens     uint64   number of tokens
           32   tokens_at  uint64   byte offset of the token array (HEADER_BYTES)
           40   index_at   uint64   byte offset of the document index (8-byte aligned)
-          48   reserved   16 bytes (zero)
+          48   crc32      uint32   zlib.crc32 of every byte after the header (version 2; zero in version 1)
+          52   reserved   12 bytes (zero)
     tokens_at  token ids, `tokens` values of `dtype`, documents one after another
     index_at   offsets    int64[documents + 1]: document i is tokens[offsets[i]:offsets[i + 1]]
                num_bytes  int64[documents]: UTF-8 bytes of document i's source text (bits per byte needs it)
@@ -18,7 +19,9 @@ little-endian and laid out so that every array in it can be memory-mapped as it 
 The header is written last (the writer streams tokens, keeps the small index in memory, then seeks back), so a
 file whose writer died has a zero header and is rejected rather than read as empty. `index.json` repeats each
 shard's counts; the reader checks the two agree, so a shard replaced or truncated behind the index's back is an
-error, not silently different data.
+error, not silently different data. The CRC-32 of the body (header to end) is in the header and in
+`index.json`; readers verify it at open, so a same-size corruption (a flipped byte) is refused with the file named
+instead of training on wrong token ids. Version 1 shards (no checksum) are still read, unverified.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +39,8 @@ from typing import Any, Final, Literal, Self
 import numpy as np
 import numpy.typing as npt
 
-FORMAT_VERSION: Final = 1
+FORMAT_VERSION: Final = 2
+READABLE_VERSIONS: Final = (1, 2)  # version 1: the same layout without the checksum
 FORMAT_NAME: Final = "d9d-token-shards"
 SHARD_SUFFIX: Final = ".d9dtok"
 INDEX_FILENAME: Final = "index.json"
@@ -44,7 +49,12 @@ HEADER_BYTES: Final = 64
 
 TokenDType = Literal["uint16", "uint32"]
 _DTYPE_CODES: Final[dict[TokenDType, int]] = {"uint16": 1, "uint32": 2}
-_HEADER = struct.Struct("<8sIIQQQQ16x")
+_HEADER = struct.Struct("<8sIIQQQQI12x")
+_CHUNK = 1 << 24  # bytes per zlib.crc32 call when verifying
+REBUILD_HINT = (
+    "rebuild it: rerun data preparation (`d9d run data-prep`; a shard set that fails this check is written again), "
+    "or delete the shard set and rerun"
+)
 assert _HEADER.size == HEADER_BYTES
 
 
@@ -76,14 +86,18 @@ class ShardInfo:
     num_documents: int
     num_tokens: int
     num_bytes: int
+    crc32: int | None = None  # of the shard's body (see the module doc); None: a version 1 shard
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        record: dict[str, Any] = {
             "file": self.file,
             "num_documents": self.num_documents,
             "num_tokens": self.num_tokens,
             "num_bytes": self.num_bytes,
         }
+        if self.crc32 is not None:
+            record["crc32"] = self.crc32
+        return record
 
 
 class TokenShardWriter:
@@ -101,7 +115,12 @@ class TokenShardWriter:
         self._file = path.open("wb")
         # A zero header until close(): a half-written file never passes as a valid shard.
         self._file.write(b"\x00" * HEADER_BYTES)
+        self._crc32 = 0  # running checksum of the body, as it is written
         self._info: ShardInfo | None = None
+
+    def _write_body(self, data: bytes) -> None:
+        self._file.write(data)
+        self._crc32 = zlib.crc32(data, self._crc32)
 
     def add_document(self, tokens: Sequence[int] | npt.NDArray[np.integer[Any]], num_bytes: int) -> None:
         """Append one document: its token ids and the UTF-8 byte length of the text they came from."""
@@ -117,7 +136,7 @@ class TokenShardWriter:
                 f"token ids of document {len(self._num_bytes)} span [{int(ids.min())}, {int(ids.max())}], "
                 f"outside {self.dtype} [0, {self._max_id}]; use a wider dtype (see token_dtype_for_vocab)"
             )
-        self._file.write(ids.astype(self._np_dtype, copy=False).tobytes())
+        self._write_body(ids.astype(self._np_dtype, copy=False).tobytes())
         self._offsets.append(self._offsets[-1] + int(ids.size))
         self._num_bytes.append(int(num_bytes))
 
@@ -136,9 +155,9 @@ class TokenShardWriter:
         num_tokens = self._offsets[-1]
         tokens_end = HEADER_BYTES + num_tokens * self._np_dtype.itemsize
         index_at = (tokens_end + 7) // 8 * 8
-        self._file.write(b"\x00" * (index_at - tokens_end))
-        self._file.write(np.asarray(self._offsets, dtype="<i8").tobytes())
-        self._file.write(np.asarray(self._num_bytes, dtype="<i8").tobytes())
+        self._write_body(b"\x00" * (index_at - tokens_end))
+        self._write_body(np.asarray(self._offsets, dtype="<i8").tobytes())
+        self._write_body(np.asarray(self._num_bytes, dtype="<i8").tobytes())
         self._file.seek(0)
         self._file.write(
             _HEADER.pack(
@@ -149,6 +168,7 @@ class TokenShardWriter:
                 num_tokens,
                 HEADER_BYTES,
                 index_at,
+                self._crc32,
             )
         )
         self._file.flush()
@@ -159,6 +179,7 @@ class TokenShardWriter:
             num_documents=self.num_documents,
             num_tokens=num_tokens,
             num_bytes=sum(self._num_bytes),
+            crc32=self._crc32,
         )
         return self._info
 
@@ -181,28 +202,34 @@ class TokenShardWriter:
 
 
 class TokenShardReader:
-    """One shard file, memory-mapped: token ids, document boundaries and per-document byte lengths."""
+    """One shard file, memory-mapped: token ids, document boundaries and per-document byte lengths.
 
-    def __init__(self, path: Path) -> None:
+    `verify`: check the body's CRC-32 against the header at open (one sequential read of the file, about 1 GB/s
+    per core; the file's pages are then in the page cache the memory map reads from). Version 1 shards have none.
+    """
+
+    def __init__(self, path: Path, *, verify: bool = True) -> None:
         self.path = path
         size = path.stat().st_size
         if size < HEADER_BYTES:
             raise TokenShardFormatError(f"{path}: {size} bytes is shorter than the {HEADER_BYTES}-byte header")
         with path.open("rb") as handle:
-            magic, version, dtype_code, documents, tokens, tokens_at, index_at = _HEADER.unpack(
+            magic, version, dtype_code, documents, tokens, tokens_at, index_at, crc32 = _HEADER.unpack(
                 handle.read(HEADER_BYTES)
             )
         if magic != MAGIC:
             hint = " (all zero: its writer did not finish)" if magic == b"\x00" * 8 else ""
             raise TokenShardFormatError(f"{path}: not a d9d token shard, magic is {magic!r}{hint}")
-        if version != FORMAT_VERSION:
+        if version not in READABLE_VERSIONS:
             raise TokenShardFormatError(
-                f"{path}: format version {version} is not supported; this d9d-core reads version {FORMAT_VERSION}"
+                f"{path}: format version {version} is not supported; this d9d-core reads versions "
+                f"{list(READABLE_VERSIONS)}"
             )
         dtypes = {code: name for name, code in _DTYPE_CODES.items()}
         if dtype_code not in dtypes:
             raise TokenShardFormatError(f"{path}: dtype code {dtype_code} is unknown; known codes: {dtypes}")
         self.version: int = version
+        self.crc32: int | None = crc32 if version >= 2 else None
         self.dtype: TokenDType = dtypes[dtype_code]
         self.num_documents: int = documents
         self.num_tokens: int = tokens
@@ -211,8 +238,15 @@ class TokenShardReader:
         if tokens_at != HEADER_BYTES or index_at < tokens_at + tokens * np_dtype.itemsize or size != expected:
             raise TokenShardFormatError(
                 f"{path}: {size} bytes, but its header ({documents} documents, {tokens} tokens of {self.dtype}) "
-                f"needs {expected}; the file is truncated or was not written by TokenShardWriter"
+                f"needs {expected}; the file is truncated or was not written by TokenShardWriter; {REBUILD_HINT}"
             )
+        if verify and self.crc32 is not None:
+            actual = body_crc32(path)
+            if actual != self.crc32:
+                raise TokenShardFormatError(
+                    f"{path}: checksum mismatch (crc32 of its contents is {actual:08x}, its header records "
+                    f"{self.crc32:08x}): the file is corrupt; {REBUILD_HINT}"
+                )
         # numpy cannot map zero bytes; an empty shard (no tokens) gets a plain empty array instead.
         self.tokens: npt.NDArray[Any] = (
             np.memmap(path, dtype=np_dtype, mode="r", offset=tokens_at, shape=(tokens,))
@@ -245,6 +279,16 @@ class TokenShardReader:
     @property
     def num_bytes(self) -> int:
         return int(self.document_num_bytes.sum())
+
+
+def body_crc32(path: Path) -> int:
+    """zlib.crc32 of every byte of shard `path` after its header (what a version 2 header records)."""
+    checksum = 0
+    with path.open("rb") as handle:
+        handle.seek(HEADER_BYTES)
+        while chunk := handle.read(_CHUNK):
+            checksum = zlib.crc32(chunk, checksum)
+    return checksum
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -289,10 +333,10 @@ class TokenShardIndex:
             raw = json.loads(path.read_text(encoding="utf-8"))
             if raw.get("format") != FORMAT_NAME:
                 raise TokenShardFormatError(f"{path}: format is {raw.get('format')!r}, expected {FORMAT_NAME!r}")
-            if raw.get("version") != FORMAT_VERSION:
+            if raw.get("version") not in READABLE_VERSIONS:
                 raise TokenShardFormatError(
                     f"{path}: format version {raw.get('version')} is not supported; this d9d-core reads "
-                    f"version {FORMAT_VERSION}"
+                    f"versions {list(READABLE_VERSIONS)}"
                 )
             if raw.get("dtype") not in _DTYPE_CODES:
                 raise TokenShardFormatError(f"{path}: dtype {raw.get('dtype')!r}; known: {sorted(_DTYPE_CODES)}")
@@ -302,10 +346,13 @@ class TokenShardIndex:
                     num_documents=int(entry["num_documents"]),
                     num_tokens=int(entry["num_tokens"]),
                     num_bytes=int(entry["num_bytes"]),
+                    crc32=int(entry["crc32"]) if entry.get("crc32") is not None else None,
                 )
                 for entry in raw["shards"]
             )
-            return cls(dtype=raw["dtype"], shards=shards, metadata=dict(raw.get("metadata", {})))
+            return cls(
+                dtype=raw["dtype"], shards=shards, metadata=dict(raw.get("metadata", {})), version=int(raw["version"])
+            )
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             if isinstance(error, TokenShardFormatError):
                 raise
@@ -316,7 +363,9 @@ def write_token_shard_index(
     directory: Path, shards: Sequence[ShardInfo], *, dtype: TokenDType, metadata: Mapping[str, Any] | None = None
 ) -> TokenShardIndex:
     """Write `index.json` for shard files already in `directory` (written atomically, last)."""
-    index = TokenShardIndex(dtype=dtype, shards=tuple(shards), metadata=dict(metadata or {}))
+    # A version 1 index if any shard lacks a checksum (shards written by an older writer), else the current one.
+    version = FORMAT_VERSION if all(shard.crc32 is not None for shard in shards) else 1
+    index = TokenShardIndex(dtype=dtype, shards=tuple(shards), metadata=dict(metadata or {}), version=version)
     names = [shard.file for shard in index.shards]
     if len(set(names)) != len(names):
         raise ValueError(f"shard file names repeat in {names}")
@@ -324,7 +373,10 @@ def write_token_shard_index(
         if not (directory / name).is_file():
             raise FileNotFoundError(f"shard {name} listed for the index of {directory} does not exist")
     staging = directory / f".{INDEX_FILENAME}.tmp"
-    staging.write_text(json.dumps(index.to_json(), indent=2) + "\n", encoding="utf-8")
+    with staging.open("w", encoding="utf-8") as handle:
+        handle.write(json.dumps(index.to_json(), indent=2) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())  # durable before the rename makes it the index (the shards fsync on close)
     staging.replace(directory / INDEX_FILENAME)
     return index
 
@@ -379,10 +431,14 @@ class TokenShardSetWriter:
 
 
 class TokenShardSet:
-    """A shard set opened for reading: every shard memory-mapped, documents numbered across shards in index order."""
+    """A shard set opened for reading: every shard memory-mapped, documents numbered across shards in index order.
 
-    def __init__(self, directory: Path) -> None:
+    `verify`: check each shard's CRC-32 at open (see `TokenShardReader`) and against `index.json`.
+    """
+
+    def __init__(self, directory: Path, *, verify: bool = True) -> None:
         self.directory = directory
+        self.verify = verify
         self.index = TokenShardIndex.read(directory)
         self.shards: tuple[TokenShardReader, ...] = tuple(self._open(info) for info in self.index.shards)
         self._first_document = np.cumsum([0] + [shard.num_documents for shard in self.shards], dtype=np.int64)
@@ -390,15 +446,23 @@ class TokenShardSet:
     def _open(self, info: ShardInfo) -> TokenShardReader:
         path = self.directory / info.file
         if not path.is_file():
-            raise TokenShardFormatError(f"{self.directory}: shard {info.file} is listed in the index but missing")
-        reader = TokenShardReader(path)
+            raise TokenShardFormatError(
+                f"{self.directory}: shard {info.file} is listed in the index but missing; {REBUILD_HINT}"
+            )
+        reader = TokenShardReader(path, verify=self.verify)
         if reader.dtype != self.index.dtype:
             raise TokenShardFormatError(f"{path}: dtype {reader.dtype}, but the index says {self.index.dtype}")
         counts = (reader.num_documents, reader.num_tokens, reader.num_bytes)
         if counts != (info.num_documents, info.num_tokens, info.num_bytes):
             raise TokenShardFormatError(
                 f"{path}: holds {counts} (documents, tokens, bytes) but the index records "
-                f"{(info.num_documents, info.num_tokens, info.num_bytes)}; the shard was replaced or is damaged"
+                f"{(info.num_documents, info.num_tokens, info.num_bytes)}; the shard was replaced or is damaged; "
+                f"{REBUILD_HINT}"
+            )
+        if info.crc32 is not None and reader.crc32 != info.crc32:
+            raise TokenShardFormatError(
+                f"{path}: its header records crc32 {reader.crc32}, the index {info.crc32}; the shard was replaced or "
+                f"is damaged; {REBUILD_HINT}"
             )
         return reader
 

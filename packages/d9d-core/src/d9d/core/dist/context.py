@@ -17,6 +17,7 @@ from torch._C._distributed_c10d import HashStore
 from d9d.core.dist.degrees import MeshDegrees
 from d9d.core.dist.domains import DomainLayout, MeshDomain, plan_domains
 from d9d.core.dist.environment import DeviceChoice, LaunchEnvironment, backend_for, resolve_device_type
+from d9d.core.dist.lifetime import die_with_launcher, launched_by_torchrun
 from d9d.core.dist.rank_logging import RankLoggerAdapter, build_rank_logger
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
@@ -91,6 +92,8 @@ class DistributedContext:
                 )
             torch.cuda.set_device(launch.local_rank)
         if owns_process_group:
+            if launched_by_torchrun():
+                die_with_launcher()  # no rank outlives a killed torchrun (see d9d.core.dist.lifetime)
             _init_default_group(launch, device_type, timeout)
         layouts = plan_domains(resolved)
         meshes = {

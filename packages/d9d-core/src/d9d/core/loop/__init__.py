@@ -1,6 +1,6 @@
 """The execution engine: `Trainer` and `Inference` over injected providers, typed events, schedules."""
 
-from d9d.core.loop.config import CheckpointingConfig, TrainerConfig
+from d9d.core.loop.config import CheckpointingConfig, NonFiniteConfig, TrainerConfig
 from d9d.core.loop.defaults import NoGradientSync, clip_grad_norm_torch
 from d9d.core.loop.evaluation import EvaluationResult, evaluate
 from d9d.core.loop.events import (
@@ -11,6 +11,7 @@ from d9d.core.loop.events import (
     ForwardBackwardFinished,
     OptimizerStepped,
     StepFinished,
+    StepSkipped,
     StepStarted,
     TrainingFinished,
     TrainingStarted,
@@ -39,7 +40,7 @@ from d9d.core.loop.protocols import (
 )
 from d9d.core.loop.schedule import AccumulationSchedule, ScheduleResult, StepSchedule
 from d9d.core.loop.synthetic import SyntheticTokenSource, TokenBatch, synthetic_global_batch
-from d9d.core.loop.trainer import Trainer, TrainerParts, TrainResult
+from d9d.core.loop.trainer import NonFiniteStepError, Trainer, TrainerParts, TrainResult
 from d9d.core.loop.wiring import build_trainer, dp_size_of
 
 __all__ = [
@@ -67,6 +68,8 @@ __all__ = [
     "ModelLoader",
     "ModelProvider",
     "NoGradientSync",
+    "NonFiniteConfig",
+    "NonFiniteStepError",
     "OptimizerProvider",
     "OptimizerStepped",
     "PositionedLoader",
@@ -75,6 +78,7 @@ __all__ = [
     "StepFinished",
     "StepProfiler",
     "StepSchedule",
+    "StepSkipped",
     "StepStarted",
     "SyntheticTokenSource",
     "TokenBatch",

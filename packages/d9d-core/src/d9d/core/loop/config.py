@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -25,6 +26,19 @@ class CheckpointingConfig(BaseModel):
     )
 
 
+class NonFiniteConfig(BaseModel):
+    """What the loop does when a step's loss or gradient norm is inf or nan (decided before the optimizer step,
+    the same on every rank): `skip` drops the step (parameters, optimizer state and LR schedule unchanged), up to
+    `max_consecutive_skips` steps in a row, and stops at the next non-finite one; `stop` stops at the first one."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: Literal["skip", "stop"] = "skip"
+    max_consecutive_skips: int = Field(
+        default=3, ge=1, description="with policy='skip': at most this many steps in a row are skipped, then it stops"
+    )
+
+
 class TrainerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -40,6 +54,7 @@ class TrainerConfig(BaseModel):
     collective_timeout_s: float = Field(default=600.0, gt=0, description="used when building the process group")
     peak_flops_per_device: float | None = Field(default=None, gt=0, description="for MFU; None: MFU not logged")
     checkpointing: CheckpointingConfig | None = None
+    non_finite: NonFiniteConfig = Field(default_factory=NonFiniteConfig)
     profiling: ProfilingConfig | None = None
 
     @model_validator(mode="after")

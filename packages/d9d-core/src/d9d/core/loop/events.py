@@ -52,6 +52,17 @@ class OptimizerStepped:
 
 
 @dataclass(frozen=True, kw_only=True)
+class StepSkipped:
+    """The step's loss or gradient norm was not finite: every rank left the parameters, optimizer state and LR
+    schedule as they were (emitted instead of `OptimizerStepped`)."""
+
+    step: int
+    loss: float
+    grad_norm: float
+    consecutive: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class StepFinished:
     """A finished step with its logged metrics (`loss` is the exact token-weighted mean of the global batch)."""
 

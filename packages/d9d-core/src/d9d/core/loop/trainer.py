@@ -3,8 +3,14 @@
 Per step: the data source gives this rank's micro-batches; their counted tokens are summed over data-parallel ranks
 *before* forward; each micro-batch's summed loss is scaled by one over that global count and backpropagated, so
 the summed (never averaged) data-parallel gradients equal one big batch's exactly. Then gradient sync, clipping,
-optimizer and LR step, logging, validation, checkpoint. SIGTERM on any rank makes every rank finish the step,
-checkpoint and return.
+the step's loss reduction, the non-finite guard, optimizer and LR step, logging, validation, checkpoint. SIGTERM on
+any rank makes every rank finish the step, checkpoint and return.
+
+The non-finite guard needs no synchronisation of its own: the gradient norm is already a host number identical on
+every rank (the clipper reduces it over the whole mesh, and one rank's non-finite gradient makes it non-finite
+everywhere), and the step's loss reduction over the data-parallel ranks, which the loop always did to log the loss,
+now runs before the optimizer step instead of after it (ranks outside a data-parallel group, tensor-parallel peers,
+compute the same loss). Every rank therefore takes the same skip-or-step decision from the same two numbers.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from d9d.core.checkpoint import JobCheckpointer, ModelAndOptimizer, checkpoint_dir
+from d9d.core.checkpoint import JobCheckpointer, ModelAndOptimizer, checkpoint_dir, write_durable
 from d9d.core.dist import DistributedContext
 from d9d.core.loop.config import TrainerConfig
 from d9d.core.loop.defaults import clip_grad_norm_torch
@@ -35,6 +41,7 @@ from d9d.core.loop.events import (
     ForwardBackwardFinished,
     OptimizerStepped,
     StepFinished,
+    StepSkipped,
     StepStarted,
     TrainingFinished,
     TrainingStarted,
@@ -78,6 +85,14 @@ class TrainerParts(Generic[TBatch]):
     aux_losses: AuxLossWeighting | None = None
 
 
+class NonFiniteStepError(RuntimeError):
+    """The loss or gradient norm was not finite and the `non_finite` policy says stop (the message names the step)."""
+
+
+class TrainerStateError(ValueError):
+    """A checkpoint's loop state (`trainer_state.json`) is not the JSON the loop writes."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainResult:
     last_step: int
@@ -106,10 +121,14 @@ class Trainer(Generic[TBatch]):
         self._validation_start = parts.validation_data.state_dict() if parts.validation_data is not None else {}
         checkpointing = config.checkpointing
         self._checkpointer = (
-            JobCheckpointer(checkpointing.directory, keep_last=checkpointing.keep_last, rank=ctx.rank)
+            JobCheckpointer(
+                checkpointing.directory, keep_last=checkpointing.keep_last, rank=ctx.rank, device=ctx.device
+            )
             if checkpointing is not None
             else None
         )
+        self.skipped_steps = 0  # steps dropped by the non-finite guard, over the whole run (resumed too)
+        self._consecutive_skips = 0
 
     # Checkpoints -----------------------------------------------------------------------------------------------
 
@@ -121,6 +140,8 @@ class Trainer(Generic[TBatch]):
             "lr_scheduler": self.parts.lr_scheduler.state_dict(),
             "tracker_run_id": tracker.run_id if tracker is not None else None,
             "dp_size": self._dp_size,
+            "skipped_steps": self.skipped_steps,
+            "consecutive_skips": self._consecutive_skips,
         }
 
     def save_checkpoint(self) -> Path:
@@ -131,7 +152,7 @@ class Trainer(Generic[TBatch]):
 
         def before_marker(path: Path) -> None:
             if self.ctx.is_main_process:
-                (path / TRAINER_STATE_FILE).write_text(json.dumps(trainer_state, indent=1), encoding="utf-8")
+                write_durable(path / TRAINER_STATE_FILE, json.dumps(trainer_state, indent=1).encode("utf-8"))
             self.events.emit(CheckpointWritten(step=self.step, path=path))
 
         self.events.emit(CheckpointStarted(step=self.step, path=checkpoint_dir(self._checkpointer.root, self.step)))
@@ -147,10 +168,15 @@ class Trainer(Generic[TBatch]):
         return ModelAndOptimizer(self.parts.model, self.parts.optimizer, trainable_only=trainable_only)
 
     def load_checkpoint(self, path: Path) -> None:
+        """Load exactly `path` (no fallback; resuming through `train()` falls back to older complete ones)."""
         assert self._checkpointer is not None
         self._checkpointer.load(path, {"app": self._checkpoint_view()})
-        trainer_state: Mapping[str, Any] = json.loads((path / TRAINER_STATE_FILE).read_text(encoding="utf-8"))
+        self._apply_trainer_state(_read_trainer_state(path))
+
+    def _apply_trainer_state(self, trainer_state: Mapping[str, Any]) -> None:
         self.step = int(trainer_state["step"])
+        self.skipped_steps = int(trainer_state.get("skipped_steps", 0))
+        self._consecutive_skips = int(trainer_state.get("consecutive_skips", 0))
         self.parts.data.load_state_dict(trainer_state["data"])
         self.parts.lr_scheduler.load_state_dict(trainer_state["lr_scheduler"])
         run_id = trainer_state.get("tracker_run_id")
@@ -210,10 +236,12 @@ class Trainer(Generic[TBatch]):
         checkpointing = self.config.checkpointing
         if self._checkpointer is None or checkpointing is None or not checkpointing.resume:
             return None
-        latest = self._checkpointer.latest()
-        if latest is not None:
-            self.load_checkpoint(latest)
-        return latest
+        loaded = self._checkpointer.load_newest({"app": self._checkpoint_view()}, _read_trainer_state)
+        if loaded is None:
+            return None
+        path, trainer_state = loaded
+        self._apply_trainer_state(trainer_state)
+        return path
 
     def _checkpoint_due(self, preempted: bool) -> bool:
         checkpointing = self.config.checkpointing
@@ -250,16 +278,24 @@ class Trainer(Generic[TBatch]):
         max_norm = self.config.max_grad_norm
         grad_norm = float(parts.clipper(params, max_norm if max_norm is not None else math.inf))
         learning_rate = float(parts.optimizer.param_groups[0]["lr"])
-        parts.optimizer.step()
-        parts.lr_scheduler.step()
-        self.events.emit(OptimizerStepped(step=step, grad_norm=grad_norm, learning_rate=learning_rate))
 
+        # The step's one loss reduction, before the optimizer step so the guard below can use it (see module doc).
         metric_sums = dict(result.metric_sums)
         if parts.aux_losses is not None:  # already weighted: the sum over ranks is the step's auxiliary loss
             metric_sums["aux_loss"] = parts.aux_losses.take_weighted_sum()
         names = sorted(metric_sums)
         sums = sum_over([float(result.loss_sum)] + [metric_sums[name] for name in names], self._group, self.ctx.device)
         loss = sums[0] / global_tokens
+
+        stop_reason = None
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            self._consecutive_skips = 0
+            parts.optimizer.step()
+            parts.lr_scheduler.step()
+            self.events.emit(OptimizerStepped(step=step, grad_norm=grad_norm, learning_rate=learning_rate))
+        else:
+            stop_reason = self._skip_step(loss, grad_norm)
+
         elapsed = time.perf_counter() - started
         tokens_per_second = global_tokens / elapsed
         metrics = {
@@ -270,6 +306,7 @@ class Trainer(Generic[TBatch]):
             "tokens_per_second": tokens_per_second,
             "step_seconds": elapsed,
             "peak_memory_gib": peak_memory_gib(self.ctx.device),
+            "skipped_steps": float(self.skipped_steps),
             **dict(zip(names, sums[1:], strict=True)),
             **finished.metrics,
         }
@@ -281,7 +318,28 @@ class Trainer(Generic[TBatch]):
         if parts.tracker is not None and step % self.config.log_every == 0:
             parts.tracker.log(step, metrics)
         self.events.emit(StepFinished(step=step, loss=loss, metrics=metrics))
+        if stop_reason is not None:
+            raise NonFiniteStepError(stop_reason)
         return loss
+
+    def _skip_step(self, loss: float, grad_norm: float) -> str | None:
+        """Count a non-finite step as skipped (nothing was updated); returns why to stop, or None to go on."""
+        self.skipped_steps += 1
+        self._consecutive_skips += 1
+        policy = self.config.non_finite
+        self.events.emit(
+            StepSkipped(step=self.step, loss=loss, grad_norm=grad_norm, consecutive=self._consecutive_skips)
+        )
+        what = f"step {self.step}: the loss is {loss} and the gradient norm {grad_norm} (not finite)"
+        if policy.policy == "stop":
+            return f"{what}; stopping (non_finite.policy='stop'); the parameters were not updated by this step"
+        if self._consecutive_skips > policy.max_consecutive_skips:
+            return (
+                f"{what}; {self._consecutive_skips} non-finite steps in a row, more than "
+                f"non_finite.max_consecutive_skips={policy.max_consecutive_skips} allows; stopping. Lower the "
+                "learning rate, check the data, or resume from an earlier checkpoint"
+            )
+        return None
 
     def _maybe_validate(self) -> None:
         every, data = self.config.validation_every, self.parts.validation_data
@@ -303,3 +361,20 @@ class Trainer(Generic[TBatch]):
         self.events.emit(
             ValidationFinished(step=self.step, loss=result.loss, perplexity=result.perplexity, tokens=result.tokens)
         )
+
+
+def _read_trainer_state(path: Path) -> dict[str, Any]:
+    """The loop's state in checkpoint `path`: plain JSON, never unpickled.
+
+    Raises:
+        TrainerStateError: the file is missing, not JSON, or lacks the loop's keys.
+    """
+    file = path / TRAINER_STATE_FILE
+    try:
+        state = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise TrainerStateError(f"{file}: not the loop's JSON state ({error})") from error
+    missing = [key for key in ("step", "data", "lr_scheduler") if not isinstance(state, dict) or key not in state]
+    if missing:
+        raise TrainerStateError(f"{file}: the loop's state lacks {missing}")
+    return dict(state)
