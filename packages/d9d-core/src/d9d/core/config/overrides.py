@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
 import yaml
@@ -64,6 +64,10 @@ def apply_override(data: dict[str, Any], assignment: str, model: type[BaseModel]
             node[part] = value
             return result
         choices = _models_in(fields[part].annotation)
+        if not choices and _is_mapping(fields[part].annotation):
+            # A free-form mapping (`dict[str, float]`): its keys are data, not fields; pydantic checks the values.
+            _set_path(node, parts[depth:], value)
+            return result
         if not choices:
             raise ConfigError(
                 f"unknown --set key {key!r}: {'.'.join(parts[: depth + 1])} is a value, not a section with fields"
@@ -72,6 +76,18 @@ def apply_override(data: dict[str, Any], assignment: str, model: type[BaseModel]
         node[part] = dict(child) if isinstance(child, dict) else {}
         node = node[part]
     return result
+
+
+def _is_mapping(annotation: Any) -> bool:
+    return any(typing.get_origin(arg) in (dict, Mapping) or arg is dict for arg in _flatten(annotation))
+
+
+def _set_path(node: dict[str, Any], path: Sequence[str], value: Any) -> None:
+    for part in path[:-1]:
+        child = node.get(part)
+        node[part] = dict(child) if isinstance(child, dict) else {}
+        node = node[part]
+    node[path[-1]] = value
 
 
 def _models_in(annotation: Any) -> list[type[BaseModel]]:
