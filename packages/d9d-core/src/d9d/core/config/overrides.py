@@ -63,7 +63,7 @@ def apply_override(data: dict[str, Any], assignment: str, model: type[BaseModel]
                 node.clear()
             node[part] = value
             return result
-        choices = _models_in(fields[part].annotation)
+        choices = models_in(fields[part].annotation)
         if not choices and _is_mapping(fields[part].annotation):
             # A free-form mapping (`dict[str, float]`): its keys are data, not fields; pydantic checks the values.
             _set_path(node, parts[depth:], value)
@@ -90,7 +90,7 @@ def _set_path(node: dict[str, Any], path: Sequence[str], value: Any) -> None:
     node[path[-1]] = value
 
 
-def _models_in(annotation: Any) -> list[type[BaseModel]]:
+def models_in(annotation: Any) -> list[type[BaseModel]]:
     """The model classes a field holds: one, or the members of a discriminated union."""
     return [arg for arg in _flatten(annotation) if isinstance(arg, type) and issubclass(arg, BaseModel)]
 
@@ -165,7 +165,7 @@ def _walk(model: type[BaseModel], location: Sequence[int | str]) -> tuple[list[s
                 continue
         shown.append(part)
         if len(choices) == 1 and part in choices[0].model_fields:
-            choices = _models_in(choices[0].model_fields[part].annotation)
+            choices = models_in(choices[0].model_fields[part].annotation)
         else:
             choices = []
     return shown, choices[0] if len(choices) == 1 else None
