@@ -190,10 +190,15 @@ def _pump(
         if line is None:
             break
         stopper.read(line)
-        if line.startswith(PROGRESS_PREFIX):
+        # Ranks share one pipe: a line another rank left unterminated (a warning on stderr) can end up in front
+        # of a progress record, so the record is found anywhere in the line, and what precedes it is output.
+        start = line.find(PROGRESS_PREFIX)
+        if start >= 0:
             if on_progress is not None:
-                on_progress(json.loads(line[len(PROGRESS_PREFIX) :]))
-            continue
+                on_progress(json.loads(line[start + len(PROGRESS_PREFIX) :]))
+            if start == 0:
+                continue
+            line = line[:start] + "\n"
         log.write(line)
         log.flush()
         if on_line is not None:

@@ -1,1 +1,57 @@
-"""Pipeline parallelism for d9d: stage splitting, schedule programs and a per-rank executor."""
+"""Pipeline parallelism for d9d: programs of typed actions per rank (GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZBV,
+DualPipeV, forward only), their validator and simulator, split backward, an executor over gloo or NCCL
+point-to-point, and a step schedule for the core Trainer.
+
+Imports only d9d.core. See docs/pipeline.md and design note 0008.
+"""
+
+from d9d.pipeline.build import PipelineAuxLosses, build_pipeline_schedule, pipeline_group
+from d9d.pipeline.config import (
+    AnyScheduleConfig,
+    DualPipeVConfig,
+    GPipeConfig,
+    Interleaved1F1BConfig,
+    OneFOneBConfig,
+    PipelineConfig,
+    PipelinePlan,
+    ZeroBubbleH1Config,
+    ZeroBubbleVConfig,
+    plan_pipeline,
+)
+from d9d.pipeline.export import gather_pipeline_state
+from d9d.pipeline.runtime.executor import PipelineExecutor
+from d9d.pipeline.runtime.model_view import merge_stage_modules
+from d9d.pipeline.runtime.phase import BackwardPhase, backward_phase, current_backward_phase
+from d9d.pipeline.runtime.split_backward import backward_input, backward_weight
+from d9d.pipeline.schedule import PipelineSchedule
+from d9d.pipeline.stage import SINGLE_STAGE, PipelineStage
+from d9d.pipeline.task import ActivationSpec, PipelineTask
+
+__all__ = [
+    "SINGLE_STAGE",
+    "ActivationSpec",
+    "AnyScheduleConfig",
+    "BackwardPhase",
+    "DualPipeVConfig",
+    "GPipeConfig",
+    "Interleaved1F1BConfig",
+    "OneFOneBConfig",
+    "PipelineAuxLosses",
+    "PipelineConfig",
+    "PipelineExecutor",
+    "PipelinePlan",
+    "PipelineSchedule",
+    "PipelineStage",
+    "PipelineTask",
+    "ZeroBubbleH1Config",
+    "ZeroBubbleVConfig",
+    "backward_input",
+    "backward_phase",
+    "backward_weight",
+    "build_pipeline_schedule",
+    "current_backward_phase",
+    "gather_pipeline_state",
+    "merge_stage_modules",
+    "pipeline_group",
+    "plan_pipeline",
+]

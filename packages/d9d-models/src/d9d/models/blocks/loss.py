@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from d9d.pipeline.runtime.phase import BackwardPhase, current_backward_phase
+
 IGNORE_INDEX = -100
 
 
@@ -42,8 +44,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         valid = labels != IGNORE_INDEX
         targets = labels.clamp(min=0)
         scale = torch.where(valid, grad_losses.float(), 0.0)
-        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        # Under a pipeline's split backward, only one half is used per pass (see d9d.pipeline's BackwardPhase).
+        phase = current_backward_phase()
+        want_hidden = ctx.needs_input_grad[0] and phase is not BackwardPhase.WEIGHT
+        want_weight = ctx.needs_input_grad[1] and phase is not BackwardPhase.INPUT
+        grad_hidden = torch.empty_like(hidden) if want_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
         for start in range(0, hidden.shape[0], chunk_size):
             stop = min(start + chunk_size, hidden.shape[0])
             chunk = hidden[start:stop]
@@ -53,9 +59,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_logits = (probs * scale[start:stop, None]).to(hidden.dtype)
             if grad_hidden is not None:
                 grad_hidden[start:stop] = grad_logits @ weight
-            # Each chunk's product in the compute dtype (fast tensor-core matmul), summed over chunks in float32.
-            grad_weight.add_(grad_logits.T @ chunk)
-        return grad_hidden, grad_weight.to(weight.dtype), None, None
+            if grad_weight is not None:
+                # Each chunk's product in the compute dtype (fast tensor-core matmul), summed in float32.
+                grad_weight.add_(grad_logits.T @ chunk)
+        return grad_hidden, grad_weight.to(weight.dtype) if grad_weight is not None else None, None, None
 
 
 def chunked_linear_cross_entropy(

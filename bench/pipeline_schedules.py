@@ -1,0 +1,235 @@
+"""Pipeline schedules on real ranks: tokens/s per GPU and the measured bubble beside the simulated one.
+
+The dense anchor of ../shared/reference/anchors.md (Qwen3-0.6B shape) deepened to 32 layers, split over `pp` =
+world size ranks; per step 16 micro-batches of 1 x 4096 tokens, bf16 parameters, AdamW, clipping at 1.0 summed over
+the stages. For every schedule: `--warmup` steps, then `--steps` timed steps (median), then `--profile-steps` steps
+under `torch.profiler`. Measured bubble = 1 - (time some kernel runs on the rank's GPU, intervals merged) / step
+time, averaged over ranks; on CPU (`--tiny`) the busy time is the executor's compute actions instead. Simulated
+bubble = the same program replayed with uniform costs (forward = input gradient = weight gradient).
+
+    torchrun --nproc-per-node 4 bench/pipeline_schedules.py                         # 4 GPUs, all schedules
+    torchrun --nproc-per-node 4 bench/pipeline_schedules.py --schedules 1f1b zbv
+    D9D_DEVICE=cpu torchrun --nproc-per-node 2 bench/pipeline_schedules.py --tiny   # seconds, CPU + gloo
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from d9d.core.dist import DistributedContext, MeshDegrees
+from d9d.core.loop import LossResult
+from d9d.models import DecoderConfig, materialize_
+from d9d.models.qwen3 import Qwen3DenseForCausalLM, Qwen3DenseParameters
+from d9d.parallel import clip_grad_norm_
+from d9d.pipeline import ActivationSpec, PipelineConfig, PipelineStage, build_pipeline_schedule, pipeline_group
+from d9d.pipeline.program import replay
+from d9d.pipeline.runtime import executor as executor_module
+
+SCHEDULES = {
+    "1f1b": {"kind": "1f1b"},
+    "interleaved_1f1b": {"kind": "interleaved_1f1b", "stages_per_rank": 2},
+    "zb_h1": {"kind": "zb_h1"},
+    "zbv": {"kind": "zbv"},
+    "dualpipe_v": {"kind": "dualpipe_v"},
+}
+ANCHOR = {
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_layers": 32,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "rope_theta": 1e6,
+    "vocab_size": 151936,
+}
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_layers": 8,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rope_theta": 1e4,
+    "vocab_size": 512,
+}
+
+
+@dataclass
+class Row:
+    schedule: str
+    pp: int
+    microbatches: int
+    tokens_per_second_per_gpu: float
+    step_seconds: float
+    measured_bubble: float
+    simulated_bubble: float
+    peak_gib: float
+
+
+class Task:
+    def __init__(self, hidden: int, dtype: torch.dtype) -> None:
+        self.hidden, self.dtype = hidden, dtype
+
+    def count_tokens(self, batch: dict[str, torch.Tensor]) -> int:
+        return batch["labels"].numel()
+
+    def forward_stage(self, module: nn.Module, batch, *, stage: PipelineStage, hidden):  # noqa: ANN001, ANN201
+        out = module(
+            batch["input_ids"] if stage.is_first else None,
+            hidden_states=hidden,
+            labels=batch["labels"] if stage.is_last else None,
+        )
+        return LossResult(loss_sum=out.losses.sum()) if stage.is_last else out.hidden_states
+
+    def activation_spec(self, batch, *, stage: PipelineStage) -> ActivationSpec:  # noqa: ANN001
+        return ActivationSpec(shape=(*batch["input_ids"].shape, self.hidden), dtype=self.dtype)
+
+
+def merged_busy_seconds(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop <= end:
+            continue
+        total += stop - max(start, end)
+        end = stop
+    return total
+
+
+def measure(ctx: DistributedContext, kind: str, args: argparse.Namespace) -> Row:
+    shape = TINY if args.tiny else ANCHOR
+    params = Qwen3DenseParameters(**shape)
+    cuda = ctx.device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    decoder = DecoderConfig()  # attention backend: environment, then capability detection
+    config = PipelineConfig.model_validate({"schedule": SCHEDULES[kind]})
+    seq = 64 if args.tiny else 4096
+
+    def build_stage(stage: PipelineStage) -> nn.Module:
+        with torch.device("meta"):
+            module = Qwen3DenseForCausalLM(params, config=decoder, stage=stage)
+        materialize_(module, ctx.device)
+        return module.to(dtype)
+
+    schedule = build_pipeline_schedule(
+        config, ctx, num_layers=params.num_layers, num_microbatches=args.microbatches, build_stage=build_stage
+    )
+    model, group = schedule.model, pipeline_group(ctx)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    task = Task(params.hidden_size, dtype)
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    batches = [
+        {
+            "input_ids": torch.randint(0, params.vocab_size, (1, seq), generator=generator).to(ctx.device),
+            "labels": torch.randint(0, params.vocab_size, (1, seq), generator=generator).to(ctx.device),
+        }
+        for _ in range(args.microbatches)
+    ]
+    tokens = sum(task.count_tokens(batch) for batch in batches)
+
+    def step() -> float:
+        if cuda:
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        schedule.run(model, task, batches, loss_scale=1.0 / tokens, backward=True)
+        clip_grad_norm_(model.parameters(), 1.0, across=group)
+        optimizer.step()
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - started
+
+    for _ in range(args.warmup):
+        step()
+    times = [step() for _ in range(args.steps)]
+    median = statistics.median(times)
+
+    busy: list[float] = []
+    walls: list[float] = []
+    if cuda:
+        from torch.profiler import ProfilerActivity, profile
+
+        for _ in range(args.profile_steps):
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                wall = step()
+            kernels = [
+                (event.time_range.start, event.time_range.end)
+                for event in prof.events()
+                if event.device_type.name == "CUDA"
+            ]
+            busy.append(merged_busy_seconds(kernels) * 1e-6)
+            walls.append(wall)
+    else:  # CPU: time inside the executor's compute actions
+        intervals: list[tuple[float, float]] = []
+        original = executor_module.PipelineExecutor._compute
+
+        def timed(self, action, task, step_state):  # noqa: ANN001, ANN202
+            start = time.perf_counter()
+            original(self, action, task, step_state)
+            intervals.append((start, time.perf_counter()))
+
+        executor_module.PipelineExecutor._compute = timed  # type: ignore[method-assign]
+        try:
+            for _ in range(args.profile_steps):
+                intervals.clear()
+                walls.append(step())
+                busy.append(merged_busy_seconds(intervals))
+        finally:
+            executor_module.PipelineExecutor._compute = original  # type: ignore[method-assign]
+    local_bubble = 1.0 - sum(busy) / sum(walls)
+    bubbles = [torch.zeros(1, dtype=torch.float64, device=ctx.device) for _ in range(ctx.world_size)]
+    dist.all_gather(bubbles, torch.tensor([local_bubble], dtype=torch.float64, device=ctx.device))
+    simulated = replay(schedule.program(args.microbatches, training=True)).bubble_fraction
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+    return Row(
+        schedule=kind,
+        pp=ctx.degrees.pp,
+        microbatches=args.microbatches,
+        tokens_per_second_per_gpu=tokens / median / ctx.world_size,
+        step_seconds=median,
+        measured_bubble=float(torch.cat(bubbles).mean()),
+        simulated_bubble=simulated,
+        peak_gib=peak,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--schedules", nargs="+", default=["1f1b", "interleaved_1f1b", "zbv", "dualpipe_v"], choices=sorted(SCHEDULES)
+    )
+    parser.add_argument("--microbatches", type=int, default=16)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--profile-steps", type=int, default=2)
+    parser.add_argument("--tiny", action="store_true", help="a tiny model and short sequences (CPU smoke run)")
+    args = parser.parse_args()
+    ctx = DistributedContext.build(MeshDegrees(pp=int(os.environ.get("WORLD_SIZE", "1"))))
+    if ctx.device.type == "cuda":
+        torch.cuda.set_device(ctx.device)
+    rows = [measure(ctx, kind, args) for kind in args.schedules]
+    if ctx.rank == 0:
+        print(
+            "| schedule | pp | micro-batches | tokens/s per GPU | step s | measured bubble | simulated bubble"
+            " | peak GiB",
+        )
+        print("|---|---|---|---|---|---|---|---")
+        for row in rows:
+            print(
+                f"| {row.schedule} | {row.pp} | {row.microbatches} | {row.tokens_per_second_per_gpu:,.0f} | "
+                f"{row.step_seconds:.3f} | {row.measured_bubble:.3f} | {row.simulated_bubble:.3f} | {row.peak_gib:.1f}"
+            )
+        print(json.dumps([asdict(row) for row in rows]))
+    ctx.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""`PipelineConfig` (which schedule, how layers are split) and the checks that run before any rank starts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Annotated, Literal, assert_never
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from d9d.pipeline.program import Placement, Program, StageLayout
+from d9d.pipeline.program.builders import (
+    ComputeOrder,
+    build_program,
+    dual_pipe_v,
+    gpipe,
+    interleaved_one_f_one_b,
+    one_f_one_b,
+    zero_bubble_h1,
+    zero_bubble_v,
+)
+from d9d.pipeline.stage import PipelineStage
+
+
+class _Schedule(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class GPipeConfig(_Schedule):
+    kind: Literal["gpipe"] = "gpipe"
+
+
+class OneFOneBConfig(_Schedule):
+    kind: Literal["1f1b"] = "1f1b"
+
+
+class Interleaved1F1BConfig(_Schedule):
+    kind: Literal["interleaved_1f1b"] = "interleaved_1f1b"
+    stages_per_rank: int = Field(default=2, ge=2, description="virtual stages per rank (looped placement)")
+
+
+class ZeroBubbleH1Config(_Schedule):
+    kind: Literal["zb_h1"] = "zb_h1"
+
+
+class ZeroBubbleVConfig(_Schedule):
+    kind: Literal["zbv"] = "zbv"
+
+
+class DualPipeVConfig(_Schedule):
+    kind: Literal["dualpipe_v"] = "dualpipe_v"
+
+
+AnyScheduleConfig = Annotated[
+    GPipeConfig | OneFOneBConfig | Interleaved1F1BConfig | ZeroBubbleH1Config | ZeroBubbleVConfig | DualPipeVConfig,
+    Field(discriminator="kind"),
+]
+SPLIT_BACKWARD_SCHEDULES = frozenset({"zb_h1", "zbv", "dualpipe_v"})
+
+
+class PipelineConfig(BaseModel):
+    """Pipeline parallelism of a job (its degree is the mesh's `pp`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    schedule: AnyScheduleConfig = Field(default_factory=OneFOneBConfig)
+    virtual_layers_pre: int = Field(default=0, ge=0, description="layer slots the embedding counts for (stage 0)")
+    virtual_layers_post: int = Field(default=0, ge=0, description="layer slots the head counts for (last stage)")
+    even_split: bool = Field(default=False, description="refuse a layer count the stages cannot share equally")
+
+
+def _builder(config: AnyScheduleConfig, pp: int) -> Callable[[int], tuple[StageLayout, ComputeOrder]]:
+    match config:
+        case GPipeConfig():
+            return partial(gpipe, pp)
+        case OneFOneBConfig():
+            return partial(one_f_one_b, pp)
+        case Interleaved1F1BConfig():
+            stages = config.stages_per_rank
+            return lambda m: interleaved_one_f_one_b(pp, m, stages)
+        case ZeroBubbleH1Config():
+            return partial(zero_bubble_h1, pp)
+        case ZeroBubbleVConfig():
+            return partial(zero_bubble_v, pp)
+        case DualPipeVConfig():
+            return partial(dual_pipe_v, pp)
+        case _:
+            assert_never(config)
+
+
+def stages_per_rank(config: AnyScheduleConfig) -> int:
+    match config:
+        case Interleaved1F1BConfig():
+            return config.stages_per_rank
+        case ZeroBubbleVConfig() | DualPipeVConfig():
+            return 2
+        case GPipeConfig() | OneFOneBConfig() | ZeroBubbleH1Config():
+            return 1
+        case _:
+            assert_never(config)
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """A checked pipeline: the layout, each rank's stages and the validated program per micro-batch count."""
+
+    config: PipelineConfig
+    layout: StageLayout
+    num_layers: int
+
+    def stage(self, index: int) -> PipelineStage:
+        return PipelineStage(
+            index,
+            self.layout.num_stages,
+            virtual_layers_pre=self.config.virtual_layers_pre,
+            virtual_layers_post=self.config.virtual_layers_post,
+        )
+
+    def stages_of(self, pipeline_rank: int) -> list[PipelineStage]:
+        return [self.stage(index) for index in self.layout.stages_of(pipeline_rank)]
+
+    def program(self, num_microbatches: int) -> Program:
+        check_microbatches(self.config.schedule, self.layout.pp, num_microbatches)
+        builder = _builder(self.config.schedule, self.layout.pp)
+        return build_program(self.config.schedule.kind, lambda: builder(num_microbatches), num_microbatches)
+
+
+def check_microbatches(schedule: AnyScheduleConfig, pp: int, num_microbatches: int) -> None:
+    """Raise `ValueError` naming the values when `schedule` cannot run `num_microbatches` on `pp` ranks."""
+    if num_microbatches < 1:
+        raise ValueError(f"num_microbatches={num_microbatches}: a step needs at least one micro-batch")
+    match schedule:
+        case Interleaved1F1BConfig() if num_microbatches % pp:
+            raise ValueError(
+                f"schedule interleaved_1f1b needs the micro-batches per step to be a multiple of pp, got "
+                f"num_microbatches={num_microbatches} with pp={pp}; use {pp * max(1, round(num_microbatches / pp))}"
+            )
+        case DualPipeVConfig() if num_microbatches < 2 * pp:
+            raise ValueError(
+                f"schedule dualpipe_v needs at least 2*pp={2 * pp} micro-batches per step, got "
+                f"num_microbatches={num_microbatches} with pp={pp}"
+            )
+        case _:
+            return
+
+
+def plan_pipeline(
+    config: PipelineConfig, *, pp: int, num_layers: int, num_microbatches: int, dp_shard: int = 1
+) -> PipelinePlan:
+    """Check a pipeline before any rank starts (a launcher calls this); raises `ValueError` naming the values.
+
+    Checks: micro-batches per step that the schedule can run, a layer count every stage can get a share of (equal
+    shares when `even_split`), and no split-backward schedule with FSDP (`dp_shard > 1`, see design note 0008).
+    """
+    if pp < 1:
+        raise ValueError(f"pp={pp} must be at least 1")
+    layout_stages = stages_per_rank(config.schedule)
+    kind = config.schedule.kind
+    layout = StageLayout(pp, layout_stages, _placement(kind))
+    slots = config.virtual_layers_pre + num_layers + config.virtual_layers_post
+    if slots < layout.num_stages:
+        raise ValueError(
+            f"num_layers={num_layers} (+{slots - num_layers} virtual) cannot fill {layout.num_stages} stages "
+            f"(pp={pp} x {layout_stages} stages per rank for {kind}); use fewer stages or more layers"
+        )
+    if config.even_split and slots % layout.num_stages:
+        raise ValueError(
+            f"num_layers={num_layers} with virtual_layers_pre={config.virtual_layers_pre} and "
+            f"virtual_layers_post={config.virtual_layers_post} gives {slots} layer slots, not divisible by "
+            f"{layout.num_stages} stages (pp={pp} x {layout_stages} for {kind}); even_split asks for equal shares"
+        )
+    if dp_shard > 1 and kind in SPLIT_BACKWARD_SCHEDULES:
+        raise ValueError(
+            f"schedule {kind} splits backward into input and weight gradients, which FSDP (dp_shard={dp_shard}) "
+            "cannot follow yet; use gpipe, 1f1b or interleaved_1f1b with dp_shard > 1, or dp_replicate"
+        )
+    plan = PipelinePlan(config=config, layout=layout, num_layers=num_layers)
+    plan.program(num_microbatches)  # builds and validates: any schedule bug fails here, before ranks start
+    return plan
+
+
+def _placement(kind: str) -> Placement:
+    return Placement.V if kind in ("zbv", "dualpipe_v") else Placement.LOOP

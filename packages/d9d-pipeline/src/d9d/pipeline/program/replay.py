@@ -1,0 +1,298 @@
+"""Replay a program without a process group: the semantics the executor honours, with simulated time.
+
+Sends and receives are posted without blocking; a compute waits until its inputs exist (a local predecessor's
+result or an arrived message); message `k` of a (sender, receiver) channel pairs with receive `k` of that channel.
+The replay is the validator's proof (it raises `ProgramError` on a deadlock, a mispaired message, a duplicated or
+missing computation) and the simulator's timeline (per-action start and end times from `ActionCosts`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from d9d.pipeline.program.actions import Action, ActionKind, Program
+from d9d.pipeline.program.communication import MessageKey, message_key
+
+
+class ProgramError(ValueError):
+    """A program that cannot run correctly; the message names the rank, the action and the reason."""
+
+
+@dataclass(frozen=True)
+class ActionCosts:
+    """Durations of one stage's work on one micro-batch, for a whole rank's share of the model (a rank holding `v`
+    stages spends `cost / v` per stage action). Full backward = input + weight gradient."""
+
+    forward: float = 1.0
+    backward_input: float = 1.0
+    backward_weight: float = 1.0
+    latency: float = 0.0  # from a send to the arrival at a posted receive
+
+
+@dataclass(frozen=True)
+class TimedAction:
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass
+class Timeline:
+    """Per-rank compute intervals of one replayed step."""
+
+    program: Program
+    ranks: dict[int, list[TimedAction]] = field(default_factory=dict)
+
+    @property
+    def makespan(self) -> float:
+        return max((items[-1].end for items in self.ranks.values() if items), default=0.0)
+
+    def busy(self, rank: int) -> float:
+        return sum(item.end - item.start for item in self.ranks[rank])
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle time over (ranks x makespan)."""
+        total = self.makespan * len(self.ranks)
+        return 0.0 if total == 0 else 1.0 - sum(self.busy(rank) for rank in self.ranks) / total
+
+
+def _cost(action: Action, costs: ActionCosts, stages_per_rank: int) -> float:
+    match action.kind:
+        case ActionKind.FORWARD:
+            value = costs.forward
+        case ActionKind.BACKWARD:
+            value = costs.backward_input + costs.backward_weight
+        case ActionKind.BACKWARD_INPUT:
+            value = costs.backward_input
+        case ActionKind.BACKWARD_WEIGHT:
+            value = costs.backward_weight
+        case _:
+            return 0.0
+    return value / stages_per_rank
+
+
+@dataclass
+class _Channel:
+    sent: list[tuple[MessageKey, float]] = field(default_factory=list)  # key, time the send was posted
+    posted: list[tuple[MessageKey, float, Action]] = field(default_factory=list)  # key, post time, receive
+
+
+class _Replay:
+    def __init__(self, program: Program, costs: ActionCosts) -> None:
+        self.program, self.costs, self.layout = program, costs, program.layout
+        self.pc = dict.fromkeys(program.ranks, 0)
+        self.clock = dict.fromkeys(program.ranks, 0.0)
+        self.done: dict[Action, float] = {}  # compute action -> end time
+        self.channels: dict[tuple[int, int], _Channel] = {}
+        self.posted: dict[tuple[int, MessageKey], tuple[int, int]] = {}  # (rank, key) -> (source, index)
+        self.timeline = Timeline(program, {rank: [] for rank in program.ranks})
+
+    def fail(self, rank: int, action: Action, reason: str) -> ProgramError:
+        return ProgramError(f"{self.program.name}: rank {rank}, action {action} (#{self.pc[rank]}): {reason}")
+
+    def run(self) -> Timeline:
+        unfinished = {rank for rank, actions in self.program.ranks.items() if actions}
+        while unfinished:
+            progressed = False
+            for rank in sorted(unfinished):
+                while self.pc[rank] < len(self.program.ranks[rank]) and self.step(rank):
+                    progressed = True
+                    self.pc[rank] += 1
+                if self.pc[rank] == len(self.program.ranks[rank]):
+                    unfinished.discard(rank)
+            if not progressed and unfinished:
+                blocked = "; ".join(
+                    f"rank {rank} waits at {self.program.ranks[rank][self.pc[rank]]} for {self.waiting_for(rank)}"
+                    for rank in sorted(unfinished)
+                )
+                raise ProgramError(f"{self.program.name}: deadlock: {blocked}")
+        self.check_complete()
+        return self.timeline
+
+    # One action ---------------------------------------------------------------------------------------------------
+
+    def step(self, rank: int) -> bool:
+        action = self.program.ranks[rank][self.pc[rank]]
+        if self.layout.rank_of(action.stage) != rank:
+            raise self.fail(rank, action, f"stage {action.stage} lives on rank {self.layout.rank_of(action.stage)}")
+        if action.kind.is_recv:
+            self.post_receive(rank, action)
+            return True
+        if action.kind.is_send:
+            self.post_send(rank, action)
+            return True
+        ready = self.inputs_ready(rank, action)
+        if ready is None:
+            return False
+        self.check_not_duplicated(rank, action)
+        start = max(self.clock[rank], ready)
+        end = start + _cost(action, self.costs, self.layout.stages_per_rank)
+        self.clock[rank] = end
+        self.done[action] = end
+        self.timeline.ranks[rank].append(TimedAction(action, start, end))
+        return True
+
+    def post_receive(self, rank: int, action: Action) -> None:
+        key = message_key(action)
+        source = self.layout.rank_of(action.peer_stage())
+        channel = self.channels.setdefault((source, rank), _Channel())
+        index = len(channel.posted)
+        if index < len(channel.sent) and channel.sent[index][0] != key:
+            raise self.fail(
+                rank, action, f"receive #{index} from rank {source} would get message {channel.sent[index][0]}"
+            )
+        channel.posted.append((key, self.clock[rank], action))
+        self.posted[(rank, key)] = (source, index)
+
+    def post_send(self, rank: int, action: Action) -> None:
+        producer = _producer_of(action)
+        if producer not in self.done and _full_backward(producer) not in self.done:
+            raise self.fail(rank, action, f"sends the result of {producer}, which has not run before it on this rank")
+        key = message_key(action)
+        target = self.layout.rank_of(action.peer_stage())
+        channel = self.channels.setdefault((rank, target), _Channel())
+        index = len(channel.sent)
+        if any(sent_key == key for sent_key, _ in channel.sent):
+            raise self.fail(rank, action, "sends the same message twice")
+        if index < len(channel.posted) and channel.posted[index][0] != key:
+            raise self.fail(rank, action, f"message #{index} to rank {target} would land in {channel.posted[index][2]}")
+        channel.sent.append((key, self.clock[rank]))
+
+    def inputs_ready(self, rank: int, action: Action) -> float | None:
+        """When every input of compute `action` is there; None while one is still on its way."""
+        ready = 0.0
+        for needed in _dependencies(action, self.layout.last_stage):
+            dependency = needed
+            if needed.kind is ActionKind.BACKWARD_INPUT and needed not in self.done:
+                full = _full_backward(needed)
+                if full in self.done and action.kind is not ActionKind.BACKWARD_WEIGHT:
+                    dependency = full
+            owner = self.layout.rank_of(dependency.stage)
+            if owner == rank and dependency in self.done:
+                ready = max(ready, self.done[dependency])
+                continue
+            if owner == rank:
+                if action.kind is ActionKind.BACKWARD_WEIGHT:
+                    raise self.fail(rank, action, f"the weight gradient needs {dependency} to run before it")
+                if dependency.kind is ActionKind.FORWARD and action.kind is not ActionKind.FORWARD:
+                    raise self.fail(rank, action, f"backward before its forward {dependency}")
+                raise self.fail(rank, action, f"needs {dependency}, which comes later on this rank (or never)")
+            # A remote producer: through a posted receive.
+            key = _message_for(dependency)
+            posted = self.posted.get((rank, key))
+            if posted is None:
+                raise self.fail(
+                    rank,
+                    action,
+                    f"needs {_describe_message(key)} from rank {owner}, but no receive of it precedes this action",
+                )
+            source, index = posted
+            channel = self.channels[(source, rank)]
+            if index >= len(channel.sent):
+                return None
+            post_time = channel.posted[index][1]
+            ready = max(ready, channel.sent[index][1] + self.costs.latency, post_time)
+        return ready
+
+    def check_not_duplicated(self, rank: int, action: Action) -> None:
+        if action in self.done:
+            raise self.fail(rank, action, "duplicated: this computation already ran")
+        siblings = {
+            ActionKind.BACKWARD: (ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT),
+            ActionKind.BACKWARD_INPUT: (ActionKind.BACKWARD,),
+            ActionKind.BACKWARD_WEIGHT: (ActionKind.BACKWARD,),
+        }.get(action.kind, ())
+        for kind in siblings:
+            other = Action(action.stage, kind, action.microbatch)
+            if other in self.done:
+                raise self.fail(rank, action, f"duplicated backward: {other} already computed this gradient")
+
+    def waiting_for(self, rank: int) -> str:
+        action = self.program.ranks[rank][self.pc[rank]]
+        for dependency in _dependencies(action, self.layout.last_stage):
+            owner = self.layout.rank_of(dependency.stage)
+            if owner == rank:
+                continue
+            key = _message_for(dependency)
+            source, index = self.posted[(rank, key)]
+            if index < len(self.channels[(source, rank)].sent):
+                continue
+            finished = self.pc[owner] == len(self.program.ranks[owner])
+            return f"{_describe_message(key)} from rank {owner}" + (
+                " (which finished without sending it)" if finished else ""
+            )
+        return "nothing it can get"
+
+    # The end ------------------------------------------------------------------------------------------------------
+
+    def check_complete(self) -> None:
+        name = self.program.name
+        for (source, target), channel in sorted(self.channels.items()):
+            if len(channel.sent) != len(channel.posted):
+                extra = channel.sent[len(channel.posted) :] or channel.posted[len(channel.sent) :]
+                what = (
+                    "sent but never received" if len(channel.sent) > len(channel.posted) else "received but never sent"
+                )
+                raise ProgramError(f"{name}: rank {source} -> rank {target}: {_describe_message(extra[0][0])} {what}")
+        for stage in range(self.layout.num_stages):
+            for mb in range(self.program.num_microbatches):
+                forward = Action(stage, ActionKind.FORWARD, mb)
+                if forward not in self.done:
+                    raise ProgramError(f"{name}: incomplete: micro-batch {mb} never goes forward through stage {stage}")
+                if not self.program.training:
+                    continue
+                full = Action(stage, ActionKind.BACKWARD, mb) in self.done
+                split_input = Action(stage, ActionKind.BACKWARD_INPUT, mb) in self.done
+                split_weight = Action(stage, ActionKind.BACKWARD_WEIGHT, mb) in self.done
+                if not (full or (split_input and split_weight)):
+                    missing = "weight gradient (W)" if split_input else "backward"
+                    raise ProgramError(f"{name}: incomplete: stage {stage}, micro-batch {mb} never gets its {missing}")
+        if not self.program.training:
+            backward = [action for action in self.done if action.kind is not ActionKind.FORWARD]
+            if backward:
+                raise ProgramError(f"{name}: a forward-only program runs {backward[0]}")
+
+
+def _producer_of(send: Action) -> Action:
+    if send.kind is ActionKind.SEND_ACTIVATION:
+        return Action(send.stage, ActionKind.FORWARD, send.microbatch)
+    return Action(send.stage, ActionKind.BACKWARD_INPUT, send.microbatch)
+
+
+def _full_backward(action: Action) -> Action:
+    return Action(action.stage, ActionKind.BACKWARD, action.microbatch)
+
+
+def _dependencies(action: Action, last_stage: int) -> list[Action]:
+    """Compute actions whose results `action` consumes. A gradient from stage s+1 is named by `I(s+1)`; a full
+    `B(s+1)` satisfies it too."""
+    s, mb = action.stage, action.microbatch
+    match action.kind:
+        case ActionKind.FORWARD:
+            return [Action(s - 1, ActionKind.FORWARD, mb)] if s > 0 else []
+        case ActionKind.BACKWARD | ActionKind.BACKWARD_INPUT:
+            deps = [Action(s, ActionKind.FORWARD, mb)]
+            if s < last_stage:
+                deps.append(Action(s + 1, ActionKind.BACKWARD_INPUT, mb))
+            return deps
+        case ActionKind.BACKWARD_WEIGHT:
+            return [Action(s, ActionKind.BACKWARD_INPUT, mb)]
+        case _:
+            return []
+
+
+def _message_for(dependency: Action) -> MessageKey:
+    direction = "F" if dependency.kind is ActionKind.FORWARD else "B"
+    return direction, dependency.stage, dependency.microbatch
+
+
+def _describe_message(key: MessageKey) -> str:
+    direction, stage, mb = key
+    what = "activation" if direction == "F" else "input gradient"
+    return f"the {what} of stage {stage} for micro-batch {mb}"
+
+
+def replay(program: Program, costs: ActionCosts | None = None) -> Timeline:
+    """Replay `program` (raises `ProgramError` if it cannot run); the per-rank timeline under `costs`."""
+    return _Replay(program, costs or ActionCosts()).run()

@@ -1,0 +1,195 @@
+"""The executor: runs one rank's program of a step on its stage modules.
+
+It is an interpreter over `Action`s (a `match` per kind) and the only code that communicates. Activations received
+from another rank become leaf tensors that require grad, so backward ends at the stage boundary and their `.grad`
+(full backward) or the input gradient of a split backward is what goes back. Consecutive stages on one rank hand
+tensors over directly. Sends and receives are posted without blocking; a compute waits only for its own input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from d9d.core.loop.protocols import LossResult
+from d9d.pipeline.program import Action, ActionKind, Program, StageLayout
+from d9d.pipeline.runtime.p2p import Communicator, ReceiveHandle
+from d9d.pipeline.runtime.split_backward import WeightGradientWork, backward_input, backward_weight
+from d9d.pipeline.stage import PipelineStage
+from d9d.pipeline.task import PipelineTask
+
+Key = tuple[int, int]  # (stage, micro-batch)
+
+
+@dataclass
+class StepOutcome:
+    """This rank's part of a step: summed (unscaled) losses and metric sums of the micro-batches whose last stage
+    it holds (zero and empty elsewhere)."""
+
+    loss_sum: float = 0.0
+    metric_sums: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _Step:
+    batches: Sequence[Any]
+    loss_scale: float
+    training: bool
+    outcome: StepOutcome = field(default_factory=StepOutcome)
+    inputs: dict[Key, torch.Tensor | None] = field(default_factory=dict)  # stage inputs (leaves when received)
+    outputs: dict[Key, torch.Tensor] = field(default_factory=dict)  # activation, or the scaled loss on the last
+    received: dict[tuple[str, int, int], tuple[torch.Tensor, ReceiveHandle]] = field(default_factory=dict)
+    input_grads: dict[Key, torch.Tensor | None] = field(default_factory=dict)  # gradient of a stage's input
+    weight_work: dict[Key, WeightGradientWork] = field(default_factory=dict)
+
+
+class PipelineExecutor:
+    """Runs programs for one pipeline rank holding `modules` (global stage -> module) of `layout`."""
+
+    def __init__(
+        self,
+        modules: Mapping[int, nn.Module],
+        layout: StageLayout,
+        *,
+        pipeline_rank: int,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+    ) -> None:
+        expected = set(layout.stages_of(pipeline_rank))
+        if set(modules) != expected:
+            raise ValueError(
+                f"pipeline rank {pipeline_rank} of {layout} must hold stages {sorted(expected)}, got {sorted(modules)}"
+            )
+        if layout.pp > 1 and group is None:
+            raise ValueError(f"pp={layout.pp} needs the pipeline process group")
+        self.modules, self.layout, self.rank, self.device = dict(modules), layout, pipeline_rank, device
+        self.group = group
+        self._params = {
+            stage: [param for param in module.parameters() if param.requires_grad] for stage, module in modules.items()
+        }
+
+    def stage_info(self, stage: int) -> PipelineStage:
+        return PipelineStage(stage, self.layout.num_stages)
+
+    def run(
+        self, program: Program, task: PipelineTask[Any], batches: Sequence[Any], *, loss_scale: float
+    ) -> StepOutcome:
+        if len(batches) != program.num_microbatches:
+            raise ValueError(
+                f"program {program.name!r} is for {program.num_microbatches} micro-batches, got {len(batches)}"
+            )
+        step = _Step(batches=batches, loss_scale=loss_scale, training=program.training)
+        comm = Communicator(self.group) if self.group is not None else None
+        for action in program.for_rank(self.rank):
+            if action.kind.is_compute:
+                self._compute(action, task, step)
+            else:
+                assert comm is not None, f"{action} in a single-rank program"
+                self._communicate(action, task, step, comm)
+        if comm is not None:
+            comm.wait_all()
+        return step.outcome
+
+    # Communication -------------------------------------------------------------------------------------------------
+
+    def _communicate(self, action: Action, task: PipelineTask[Any], step: _Step, comm: Communicator) -> None:
+        key = (action.stage, action.microbatch)
+        peer = self.layout.rank_of(action.peer_stage())
+        match action.kind:
+            case ActionKind.SEND_ACTIVATION:
+                comm.send(step.outputs[key].detach(), peer)
+            case ActionKind.SEND_GRADIENT:
+                grad = step.input_grads.pop(key)
+                if grad is None:
+                    raise RuntimeError(f"{action}: stage {action.stage}'s input got no gradient (is it used?)")
+                comm.send(grad.contiguous(), peer)
+            case ActionKind.RECV_ACTIVATION:
+                spec = task.activation_spec(step.batches[action.microbatch], stage=self.stage_info(action.stage - 1))
+                buffer = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
+                step.received[("F", *key)] = (buffer, comm.recv(buffer, peer))
+            case ActionKind.RECV_GRADIENT:
+                buffer = torch.empty_like(step.outputs[key])
+                step.received[("B", *key)] = (buffer, comm.recv(buffer, peer))
+            case _:
+                raise AssertionError(action)
+
+    def _take_received(self, step: _Step, direction: str, key: Key) -> torch.Tensor:
+        buffer, pending = step.received.pop((direction, *key))
+        pending.wait()
+        return buffer
+
+    # Compute -------------------------------------------------------------------------------------------------------
+
+    def _compute(self, action: Action, task: PipelineTask[Any], step: _Step) -> None:
+        key = (action.stage, action.microbatch)
+        match action.kind:
+            case ActionKind.FORWARD:
+                self._forward(action, task, step)
+            case ActionKind.BACKWARD:
+                root, grad = self._backward_root(action, step)
+                torch.autograd.backward([root], [grad] if grad is not None else None)
+                leaf = step.inputs.pop(key)
+                self._hand_back(action, step, leaf.grad if leaf is not None else None)
+            case ActionKind.BACKWARD_INPUT:
+                root, grad = self._backward_root(action, step)
+                leaf = step.inputs.pop(key)
+                grads, work = backward_input(
+                    [root], [grad], [leaf] if leaf is not None else [], self._params[action.stage]
+                )
+                step.weight_work[key] = work
+                self._hand_back(action, step, grads[0] if grads else None)
+            case ActionKind.BACKWARD_WEIGHT:
+                backward_weight(step.weight_work.pop(key), self._params[action.stage])
+            case _:
+                raise AssertionError(action)
+
+    def _forward(self, action: Action, task: PipelineTask[Any], step: _Step) -> None:
+        stage, mb = action.stage, action.microbatch
+        hidden: torch.Tensor | None = None
+        if stage > 0:
+            if self.layout.rank_of(stage - 1) == self.rank:
+                hidden = step.outputs[(stage - 1, mb)].detach()
+            else:
+                hidden = self._take_received(step, "F", (stage, mb))
+            if step.training:
+                hidden = hidden.requires_grad_()
+        step.inputs[(stage, mb)] = hidden
+        with torch.set_grad_enabled(step.training):
+            result = task.forward_stage(
+                self.modules[stage], step.batches[mb], stage=self.stage_info(stage), hidden=hidden
+            )
+        if stage == self.layout.last_stage:
+            if not isinstance(result, LossResult):
+                raise TypeError(f"the last stage's forward_stage must return a LossResult, got {type(result).__name__}")
+            step.outcome.loss_sum += float(result.loss_sum.detach().to(torch.float64))
+            for name, value in result.metrics.items():
+                step.outcome.metric_sums[name] = step.outcome.metric_sums.get(name, 0.0) + float(value)
+            if step.training:
+                step.outputs[(stage, mb)] = result.loss_sum * step.loss_scale
+        else:
+            if not isinstance(result, torch.Tensor):
+                raise TypeError(
+                    f"stage {stage}'s forward_stage must return the activation tensor, got {type(result).__name__}"
+                )
+            step.outputs[(stage, mb)] = result
+
+    def _backward_root(self, action: Action, step: _Step) -> tuple[torch.Tensor, torch.Tensor | None]:
+        stage, mb = action.stage, action.microbatch
+        root = step.outputs.pop((stage, mb))
+        if stage == self.layout.last_stage:
+            return root, None
+        if self.layout.rank_of(stage + 1) == self.rank:
+            grad = step.input_grads.pop((stage + 1, mb))
+            if grad is None:
+                raise RuntimeError(f"{action}: stage {stage + 1}'s input got no gradient")
+            return root, grad
+        return root, self._take_received(step, "B", (stage, mb))
+
+    def _hand_back(self, action: Action, step: _Step, grad: torch.Tensor | None) -> None:
+        if action.stage > 0:
+            step.input_grads[(action.stage, action.microbatch)] = grad

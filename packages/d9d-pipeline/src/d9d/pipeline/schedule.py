@@ -1,0 +1,99 @@
+"""`PipelineSchedule`: the core `Trainer`'s `StepSchedule` for a pipelined model.
+
+The Trainer hands over the step's micro-batches and `loss_scale = 1 / global tokens`; the schedule runs the
+program of the rank (cached per micro-batch count and mode), then shares the last stage's loss and metric sums
+over the pipeline group, so every rank returns the same `ScheduleResult` and the Trainer's data-parallel sums and
+logging work unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from d9d.core.loop.schedule import ScheduleResult
+from d9d.pipeline.program import Program, StageLayout
+from d9d.pipeline.program.builders import build_program, inference
+from d9d.pipeline.runtime.executor import PipelineExecutor, StepOutcome
+from d9d.pipeline.runtime.model_view import merge_stage_modules
+from d9d.pipeline.task import PipelineTask
+
+TBatch = TypeVar("TBatch")
+ProgramBuilder = Callable[[int], Program]  # micro-batch count -> validated training program
+
+
+class PipelineSchedule:
+    """Runs a rank's stages under a program; satisfies `d9d.core.loop.schedule.StepSchedule`.
+
+    `model` (what the Trainer optimizes, checkpoints and clips) is the merged view of the stages, see
+    `merge_stage_modules`; `run` checks it is that view.
+    """
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        build: ProgramBuilder,
+        layout: StageLayout,
+        modules: Mapping[int, nn.Module],
+        pipeline_rank: int,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+    ) -> None:
+        self.name, self._build, self.layout = name, build, layout
+        self.pipeline_rank, self.group, self.device = pipeline_rank, group, device
+        self.executor = PipelineExecutor(modules, layout, pipeline_rank=pipeline_rank, group=group, device=device)
+        self.model = merge_stage_modules([modules[stage] for stage in sorted(modules)])
+        self._programs: dict[tuple[int, bool], Program] = {}
+
+    def program(self, num_microbatches: int, *, training: bool) -> Program:
+        """The validated program for `num_microbatches` (built once per count and mode)."""
+        key = (num_microbatches, training)
+        if key not in self._programs:
+            if training:
+                self._programs[key] = self._build(num_microbatches)
+            else:
+                layout = self.layout
+                self._programs[key] = build_program(
+                    f"{self.name} (forward only)",
+                    lambda: inference(layout, num_microbatches),
+                    num_microbatches,
+                    training=False,
+                )
+        return self._programs[key]
+
+    def run(
+        self,
+        model: nn.Module,
+        task: Any,
+        microbatches: Sequence[Any],
+        *,
+        loss_scale: float,
+        backward: bool,
+    ) -> ScheduleResult:
+        if model is not self.model:
+            raise ValueError(
+                "the model given to the pipeline schedule is not its stage view; pass `schedule.model` to the Trainer"
+            )
+        if not isinstance(task, PipelineTask):
+            raise TypeError(f"{type(task).__name__} cannot run pipelined: it lacks forward_stage/activation_spec")
+        program = self.program(len(microbatches), training=backward)
+        outcome = self.executor.run(program, task, microbatches, loss_scale=loss_scale)
+        outcome = self._share_last_stage(outcome)
+        return ScheduleResult(
+            loss_sum=torch.tensor(outcome.loss_sum, dtype=torch.float64, device=self.device),
+            metric_sums=outcome.metric_sums,
+        )
+
+    def _share_last_stage(self, outcome: StepOutcome) -> StepOutcome:
+        if self.group is None or self.layout.pp == 1:
+            return outcome
+        source = self.layout.rank_of(self.layout.last_stage)
+        box: list[Any] = [(outcome.loss_sum, outcome.metric_sums)]
+        dist.broadcast_object_list(box, group=self.group, group_src=source, device=self.device)
+        loss_sum, metric_sums = box[0]
+        return StepOutcome(loss_sum=float(loss_sum), metric_sums=dict(metric_sums))

@@ -1,0 +1,218 @@
+"""Programs without ranks: every builder validates at several sizes, simulated bubbles match the closed forms where
+they exist, and the validator rejects broken programs with a message naming the rank, the action and the reason."""
+
+from functools import partial
+
+import pytest
+
+from d9d.pipeline import PipelineConfig, plan_pipeline
+from d9d.pipeline.config import DualPipeVConfig, Interleaved1F1BConfig, OneFOneBConfig, ZeroBubbleVConfig
+from d9d.pipeline.program import (
+    Action,
+    ActionKind,
+    Placement,
+    Program,
+    ProgramError,
+    StageLayout,
+    build_program,
+    dual_pipe_v,
+    gpipe,
+    inference,
+    interleaved_one_f_one_b,
+    one_f_one_b,
+    replay,
+    validate_program,
+    zero_bubble_h1,
+    zero_bubble_v,
+)
+
+BUILDERS = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "interleaved_1f1b": partial(interleaved_one_f_one_b, v=2),
+    "interleaved_1f1b_v3": partial(interleaved_one_f_one_b, v=3),
+    "zb_h1": zero_bubble_h1,
+    "zbv": zero_bubble_v,
+    "dualpipe_v": dual_pipe_v,
+}
+
+
+def _sizes(name: str):
+    for p in (1, 2, 3, 4, 8):
+        for m in (1, 2, 3, 4, 5, 8, 16, 24):
+            if name.startswith("interleaved") and m % p:
+                continue
+            if name == "dualpipe_v" and m < 2 * p:
+                continue
+            yield p, m
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_every_schedule_builds_a_valid_program(name):
+    for p, m in _sizes(name):
+        program = build_program(name, partial(BUILDERS[name], p, m), m)
+        computes = [action for actions in program.ranks.values() for action in actions if action.kind.is_compute]
+        stages = program.layout.num_stages
+        assert sum(action.kind is ActionKind.FORWARD for action in computes) == stages * m
+
+
+@pytest.mark.parametrize(("p", "m"), [(4, 8), (4, 16), (2, 8), (8, 16)])
+def test_simulated_bubbles_match_closed_forms(p, m):
+    def bubble(builder) -> float:
+        return replay(build_program("x", builder, m)).bubble_fraction
+
+    assert bubble(partial(gpipe, p, m)) == pytest.approx((p - 1) / (m + p - 1))
+    assert bubble(partial(one_f_one_b, p, m)) == pytest.approx((p - 1) / (m + p - 1))
+    assert bubble(partial(interleaved_one_f_one_b, p, m, 2)) == pytest.approx((p - 1) / (2 * m + p - 1))
+    one_f_one_b_bubble = bubble(partial(one_f_one_b, p, m))
+    assert bubble(partial(zero_bubble_h1, p, m)) < one_f_one_b_bubble
+    if m >= 2 * p:
+        interleaved = bubble(partial(interleaved_one_f_one_b, p, m, 2))
+        assert bubble(partial(zero_bubble_v, p, m)) < interleaved / 2
+        assert bubble(partial(dual_pipe_v, p, m)) < interleaved / 2
+
+
+def test_forward_only_program_on_a_v_layout():
+    layout = StageLayout(3, 2, Placement.V)
+    program = build_program("inference", lambda: inference(layout, 4), 4, training=False)
+    assert all(
+        action.kind in (ActionKind.FORWARD, ActionKind.SEND_ACTIVATION, ActionKind.RECV_ACTIVATION)
+        for actions in program.ranks.values()
+        for action in actions
+    )
+
+
+def test_text_form():
+    assert str(Action(2, ActionKind.FORWARD, 5)) == "2F5"
+    assert str(Action(2, ActionKind.SEND_ACTIVATION, 5)) == "2>F5"
+    assert str(Action(3, ActionKind.RECV_GRADIENT, 1)) == "3<B1"
+
+
+# Planted bugs -----------------------------------------------------------------------------------------------------
+
+
+def _one_f_one_b(p: int = 2, m: int = 4) -> Program:
+    return build_program("1f1b", partial(one_f_one_b, p, m), m)
+
+
+def _edited(program: Program, rank: int, actions: list[Action]) -> Program:
+    ranks = dict(program.ranks)
+    ranks[rank] = tuple(actions)
+    return Program(program.name, program.layout, program.num_microbatches, ranks, program.training)
+
+
+def test_validator_rejects_a_missing_receive():
+    program = _one_f_one_b()
+    actions = [a for a in program.ranks[1] if a != Action(1, ActionKind.RECV_ACTIVATION, 2)]
+    with pytest.raises(ProgramError, match=r"rank 1, action 1F2 .*no receive of it precedes"):
+        validate_program(_edited(program, 1, actions))
+
+
+def test_validator_rejects_a_duplicated_backward():
+    program = _one_f_one_b()
+    actions = [*program.ranks[0], Action(0, ActionKind.BACKWARD, 1)]
+    with pytest.raises(ProgramError, match=r"rank 0, action 0B1 .*duplicated"):
+        validate_program(_edited(program, 0, actions))
+
+
+def test_validator_rejects_a_weight_gradient_next_to_a_full_backward():
+    program = _one_f_one_b()
+    actions = [*program.ranks[0], Action(0, ActionKind.BACKWARD_WEIGHT, 0)]
+    with pytest.raises(ProgramError, match=r"0W0 .*(weight gradient needs|duplicated)"):
+        validate_program(_edited(program, 0, actions))
+
+
+def test_validator_rejects_a_missing_weight_gradient():
+    program = build_program("zb_h1", partial(zero_bubble_h1, 2, 4), 4)
+    actions = [a for a in program.ranks[1] if a != Action(1, ActionKind.BACKWARD_WEIGHT, 3)]
+    with pytest.raises(ProgramError, match=r"stage 1, micro-batch 3 never gets its weight gradient \(W\)"):
+        validate_program(_edited(program, 1, actions))
+
+
+def test_validator_rejects_receives_out_of_channel_order():
+    program = _one_f_one_b()
+    actions = list(program.ranks[1])
+    first, second = (
+        actions.index(Action(1, ActionKind.RECV_ACTIVATION, 0)),
+        actions.index(Action(1, ActionKind.RECV_ACTIVATION, 1)),
+    )
+    actions[first], actions[second] = actions[second], actions[first]
+    with pytest.raises(ProgramError, match=r"receive #0 from rank 0 would get message \('F', 0, 0\)|would land in"):
+        validate_program(_edited(program, 1, actions))
+
+
+def test_validator_reports_a_deadlock_with_every_blocked_rank():
+    program = _one_f_one_b(2, 1)
+    # Rank 0 waits for the gradient before it sends the activation that produces it.
+    actions = [
+        Action(0, ActionKind.FORWARD, 0),
+        Action(0, ActionKind.RECV_GRADIENT, 0),
+        Action(0, ActionKind.BACKWARD, 0),
+        Action(0, ActionKind.SEND_ACTIVATION, 0),
+    ]
+    with pytest.raises(ProgramError, match=r"deadlock: rank 0 waits at 0B0 .* rank 1 waits at 1F0"):
+        validate_program(_edited(program, 0, actions))
+
+
+def test_validator_rejects_a_stage_on_the_wrong_rank_and_an_incomplete_program():
+    program = _one_f_one_b()
+    with pytest.raises(ProgramError, match="stage 1 lives on rank 1"):
+        validate_program(_edited(program, 0, [Action(1, ActionKind.FORWARD, 0)]))
+    cut = [a for a in program.ranks[0] if a.microbatch != 3] + [
+        a for a in program.ranks[0] if a.microbatch == 3 and a.kind is ActionKind.FORWARD
+    ]
+    with pytest.raises(
+        ProgramError,
+        match=r"rank 1 waits at 1F3 for the activation of stage 0 for micro-batch 3 from rank 0 "
+        r"\(which finished without sending it\)",
+    ):
+        validate_program(_edited(program, 0, cut))
+
+
+# Plans: errors before any rank starts -----------------------------------------------------------------------------
+
+
+def test_plan_errors_name_the_values():
+    with pytest.raises(
+        ValueError, match=r"dualpipe_v needs at least 2\*pp=8 micro-batches .* num_microbatches=6 with pp=4"
+    ):
+        plan_pipeline(PipelineConfig(schedule=DualPipeVConfig()), pp=4, num_layers=8, num_microbatches=6)
+    with pytest.raises(ValueError, match=r"multiple of pp, got num_microbatches=6 with pp=4"):
+        plan_pipeline(PipelineConfig(schedule=Interleaved1F1BConfig()), pp=4, num_layers=8, num_microbatches=6)
+    with pytest.raises(
+        ValueError, match=r"num_layers=6 \(\+0 virtual\) cannot fill 8 stages \(pp=4 x 2 stages per rank for zbv\)"
+    ):
+        plan_pipeline(PipelineConfig(schedule=ZeroBubbleVConfig()), pp=4, num_layers=6, num_microbatches=8)
+    with pytest.raises(ValueError, match=r"num_layers=7 .* 8 layer slots, not divisible by 3 stages"):
+        plan_pipeline(
+            PipelineConfig(schedule=OneFOneBConfig(), virtual_layers_pre=1, even_split=True),
+            pp=3,
+            num_layers=7,
+            num_microbatches=4,
+        )
+    with pytest.raises(ValueError, match=r"schedule zbv splits backward .* FSDP \(dp_shard=2\)"):
+        plan_pipeline(PipelineConfig(schedule=ZeroBubbleVConfig()), pp=2, num_layers=8, num_microbatches=4, dp_shard=2)
+
+
+def test_config_rejects_unknown_schedules_and_keys():
+    with pytest.raises(ValueError, match="kind"):
+        PipelineConfig.model_validate({"schedule": {"kind": "looped_bfs"}})
+    with pytest.raises(ValueError, match="extra"):
+        PipelineConfig.model_validate({"schedule": {"kind": "1f1b"}, "stages": 3})
+    config = PipelineConfig.model_validate({"schedule": {"kind": "interleaved_1f1b", "stages_per_rank": 3}})
+    plan = plan_pipeline(config, pp=2, num_layers=12, num_microbatches=4)
+    assert [stage.index for stage in plan.stages_of(1)] == [1, 3, 5]
+    assert list(plan.stage(5).layers(12)) == [10, 11]
+
+
+def test_validator_rejects_pair_operations_in_different_orders():
+    """Rank 1 posts the receive of micro-batch 1's activation after sending micro-batch 0's gradient, while rank 0
+    sends that activation before receiving the gradient: fine for gloo's per-direction matching, a stream deadlock
+    for NCCL, which runs a pair's operations of both directions in issue order."""
+    program = _one_f_one_b(2, 2)
+    actions = list(program.ranks[1])
+    recv, send = Action(1, ActionKind.RECV_ACTIVATION, 1), Action(1, ActionKind.SEND_GRADIENT, 0)
+    actions.remove(recv)
+    actions.insert(actions.index(send) + 1, recv)
+    with pytest.raises(ProgramError, match=r"ranks 0 and 1 issue their point-to-point operations in different orders"):
+        validate_program(_edited(program, 1, actions))

@@ -1,0 +1,61 @@
+"""Split backward (input gradients now, weight gradients later) equals one full backward, on real stages of the tiny
+Qwen3 dense and Qwen3-MoE models: the chunked linear-cross-entropy loss (a custom autograd.Function), the MoE
+router's auxiliary losses (attached with another custom Function), grouped expert matmuls. The input pass must not
+touch any parameter's gradient. Bitwise equality is expected and asserted with a 1e-6 slack: the two passes run the
+same kernels on the same tensors; only the parameter gradients that gather contributions from several paths (the
+split pass adds the W-pass result into `.grad` once) may round differently. The chunked loss reads the backward
+phase and skips the unused half in each pass; "whole" (first and last stage at once, where the weight pass is the
+entire backward) pins that it must not skip anything there."""
+
+import pytest
+import torch
+from pipeline_workload import HIDDEN, SEQ, VOCAB, build_meta, load_initial
+
+from d9d.models import materialize_
+from d9d.models.blocks.moe import aux_loss_weights
+from d9d.pipeline import PipelineStage, backward_input, backward_weight
+
+
+def _stage(family: str, index: int, count: int):
+    module = materialize_(build_meta(family, PipelineStage(index, count)), "cpu")
+    load_initial(module, family)
+    weights = aux_loss_weights(module)
+    if weights is not None:
+        weights.set_weight(0.5)
+    return module
+
+
+@pytest.mark.parametrize("family", ["dense", "moe"])
+@pytest.mark.parametrize("position", ["first", "middle", "last", "whole"])
+def test_split_backward_equals_full_backward(family, position):
+    index, count = {"first": (0, 3), "middle": (1, 3), "last": (2, 3), "whole": (0, 1)}[position]
+    is_last = index == count - 1
+    module = _stage(family, index, count)
+    params = [param for param in module.parameters() if param.requires_grad]
+    generator = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=generator)
+    labels = torch.randint(0, VOCAB, (2, SEQ), generator=generator)
+    hidden = torch.randn(2, SEQ, HIDDEN, generator=generator)
+    grad_out = torch.randn(2, SEQ, HIDDEN, generator=generator)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        x = None if index == 0 else hidden.clone().requires_grad_(True)
+        out = module(ids if index == 0 else None, hidden_states=x, labels=labels if is_last else None)
+        root = out.losses.sum() if is_last else out.hidden_states
+        return root, x, None if is_last else grad_out
+
+    root, x, grad = run()
+    torch.autograd.backward([root], [grad] if grad is not None else None)
+    expected = [param.grad.clone() for param in params]
+    expected_input = x.grad.clone() if x is not None else None
+    module.zero_grad(set_to_none=True)
+
+    root, x, grad = run()
+    grads, work = backward_input([root], [grad], [x] if x is not None else [], params)
+    assert all(param.grad is None for param in params), "the input pass wrote a weight gradient"
+    if x is not None:
+        assert torch.allclose(grads[0], expected_input, atol=1e-6, rtol=0)
+    backward_weight(work, params)
+    for param, want in zip(params, expected, strict=True):
+        assert param.grad is not None
+        assert torch.allclose(param.grad, want, atol=1e-6, rtol=0)
