@@ -82,7 +82,6 @@ def test_parallel_plan_matches_single_process(family, strategy):
 def test_tensor_context_and_expert_parallel_degrees_are_refused_clearly():
     params = qwen3_moe_parameters_from_hf(MOE_HF)
     for degrees, named in (
-        (MeshDegrees(tp=2), "tp=2"),
         (MeshDegrees(cp=2), "cp=2"),
         (MeshDegrees(dp_shard=2, ep=2), "ep=2"),
     ):

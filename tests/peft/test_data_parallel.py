@@ -1,6 +1,6 @@
-"""LoRA under FSDP (2 ranks) and HSDP (2x2 ranks) with the Trainer equals single-process whole-batch training:
-injected on the meta model before the plan, so the adapters are sharded DTensors like every other parameter; only
-they train and only they have optimizer state; merging gathers them and changes no output."""
+"""LoRA under FSDP (2 ranks), HSDP (2x2 ranks) and tp2 x dp_shard2 with the Trainer equals single-process whole-batch
+training: injected on the meta model before the plan, so the adapters are sharded DTensors like every other parameter;
+only they train and only they have optimizer state; merging gathers them and changes no output."""
 
 import pytest
 import torch
@@ -28,7 +28,10 @@ from d9d.models.qwen3 import Qwen3DenseForCausalLM, Qwen3MoeForCausalLM, paralle
 from d9d.parallel import FsdpConfig, HsdpConfig, clip_grad_norm_
 from d9d.peft import LoRAConfig, LoRAParameters, build_peft_method, inject_peft_and_freeze, merge_peft
 
-pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module.*returned a view tensor:UserWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:FSDP2-wrapped module.*returned a view tensor:UserWarning"),
+    pytest.mark.filterwarnings("ignore:Slicing a flattened dim:UserWarning"),
+]
 
 STEPS, ROWS, SEQ, SEED, LR = 4, 8, 12, 3, 0.02
 # fp32 on both sides; only the summation order of the data-parallel reduction differs (measured below 1e-6).
@@ -36,6 +39,9 @@ TOLERANCE = 2e-5
 LAYOUTS = {
     "fsdp": (MeshDegrees(dp_shard=2), FsdpConfig()),
     "hsdp": (MeshDegrees(dp_replicate=2, dp_shard=2), HsdpConfig()),
+    # tensor parallel: the adapters of q/k/v/o are split by parameter name (lora_B with a column split, lora_A with
+    # a row split), those of the experts are sharded over dp x tp with the MoE block.
+    "tp": (MeshDegrees(dp_shard=2, tp=2), FsdpConfig()),
 }
 
 
@@ -146,3 +152,9 @@ def test_lora_under_fsdp_matches_single_process_training(moe):
 @pytest.mark.distributed(world_size=4, timeout=300)
 def test_lora_under_hsdp_matches_single_process_training():
     _check("hsdp", moe=False)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+@pytest.mark.distributed(world_size=4, timeout=300)
+def test_lora_under_tensor_parallel_matches_single_process_training(moe):
+    _check("tp", moe)

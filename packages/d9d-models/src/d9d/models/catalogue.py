@@ -27,6 +27,7 @@ from d9d.models.qwen3.dense import Qwen3DenseForCausalLM
 from d9d.models.qwen3.moe import Qwen3MoeForCausalLM
 from d9d.models.qwen3.parallelize import parallelize_qwen3_dense, parallelize_qwen3_moe
 from d9d.models.qwen3.params import Qwen3DenseParameters, Qwen3MoeParameters
+from d9d.models.qwen3.tensor_parallel import TensorParallelConfig
 from d9d.parallel import AnyDataParallelConfig
 
 PARAMETERS_FILE = "parameters.json"
@@ -61,9 +62,11 @@ def build_model(
     *,
     prepare: Callable[[nn.Module], object] | None = None,
     loader: ModelLoader | None = None,
+    tensor_parallel: TensorParallelConfig | None = None,
 ) -> BuiltModel:
     """The model on `ctx`: built on meta, `prepare`d (e.g. PEFT injection, so the plan shards the adapters too),
-    parallelised by its family's plan, materialised, then filled by `loader` (else its seeded initialisation)."""
+    parallelised by its family's plan (with `tensor_parallel` when the mesh has `tp > 1`), materialised, then filled
+    by `loader` (else its seeded initialisation)."""
     model: nn.Module
     subscribers: tuple[EventSubscriber, ...] = ()
     match config:
@@ -72,13 +75,13 @@ def build_model(
                 model = Qwen3DenseForCausalLM(config.parameters, config=config.decoder)
             if prepare is not None:
                 prepare(model)
-            sync = parallelize_qwen3_dense(model, ctx, data_parallel)
+            sync = parallelize_qwen3_dense(model, ctx, data_parallel, tensor_parallel=tensor_parallel)
         case Qwen3MoeModelConfig():
             with torch.device("meta"):
                 model = Qwen3MoeForCausalLM(config.parameters, config=config.decoder)
             if prepare is not None:
                 prepare(model)
-            sync = parallelize_qwen3_moe(model, ctx, data_parallel)
+            sync = parallelize_qwen3_moe(model, ctx, data_parallel, tensor_parallel=tensor_parallel)
             balancer = moe_bias_balancer(model, config.expert_bias_rate)
             subscribers = (balancer,) if balancer is not None else ()
         case _:

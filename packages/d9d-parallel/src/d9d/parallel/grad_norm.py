@@ -17,7 +17,8 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 _GroupKey = tuple[DeviceMesh | None, tuple[int, ...]]
 
@@ -94,8 +95,14 @@ def _group_key_and_local(grad: torch.Tensor) -> tuple[_GroupKey, torch.Tensor]:
             f"a gradient of shape {list(grad.shape)} has placements {grad.placements}: a Partial gradient is not "
             "synchronised yet; wait for the gradient synchroniser before computing the norm."
         )
-    shard_dims = tuple(dim for dim, placement in enumerate(grad.placements) if isinstance(placement, Shard))
+    shard_dims = tuple(dim for dim, placement in enumerate(grad.placements) if _is_split(placement))
     return (grad.device_mesh, shard_dims), grad.to_local()
+
+
+def _is_split(placement: Placement) -> bool:
+    # FSDP over a tensor-parallel parameter split on the same dimension uses `_StridedShard`, which is not a `Shard`
+    # subclass (nor `is_shard()`) in recent torch, yet its ranks hold disjoint elements all the same.
+    return isinstance(placement, Shard | _StridedShard)
 
 
 def _local_power_sum(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:

@@ -52,12 +52,13 @@ class GroupedQueryAttention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, rope: RopeTables, mask: AttentionMask) -> torch.Tensor:
         batch, seq, _ = hidden.shape
-        query = self.q_proj(hidden).view(batch, seq, self.num_heads, self.head_dim)
-        key = self.k_proj(hidden).view(batch, seq, self.num_kv_heads, self.head_dim)
-        value = self.v_proj(hidden).view(batch, seq, self.num_kv_heads, self.head_dim)
+        # -1 heads: under tensor parallelism the projections hold this rank's heads only.
+        query = self.q_proj(hidden).view(batch, seq, -1, self.head_dim)
+        key = self.k_proj(hidden).view(batch, seq, -1, self.head_dim)
+        value = self.v_proj(hidden).view(batch, seq, -1, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             query, key = self.q_norm(query), self.k_norm(key)
         query, key = rope.apply(query), rope.apply(key)
         out = self.backend(query, key, value, mask=mask, scale=self.head_dim**-0.5)
-        projected: torch.Tensor = self.o_proj(out.reshape(batch, seq, self.num_heads * self.head_dim))
+        projected: torch.Tensor = self.o_proj(out.reshape(batch, seq, -1))
         return projected

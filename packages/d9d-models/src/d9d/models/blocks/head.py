@@ -6,10 +6,12 @@ from collections.abc import Mapping
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from d9d.models.blocks.embedding import check_segments, weight_of
 from d9d.models.blocks.late_init import init_normal_
 from d9d.models.blocks.loss import chunked_linear_cross_entropy
+from d9d.parallel.tensor import vocab_parallel_cross_entropy, vocab_parallel_logits
 
 
 class SplitLanguageModellingHead(nn.Module):
@@ -45,6 +47,11 @@ class SplitLanguageModellingHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """Per-token float32 losses shaped like `labels` (0 where a label is -100); full logits without labels."""
+        weight = self.weight()
+        if isinstance(weight, DTensor):  # tensor parallel: this rank holds a slice of the vocabulary
+            if labels is None:
+                return vocab_parallel_logits(hidden, weight)
+            return vocab_parallel_cross_entropy(hidden, weight, labels, chunk_size=self.loss_chunk_size)
         if labels is None:
             return self.logits(hidden)
-        return chunked_linear_cross_entropy(hidden, self.weight(), labels, chunk_size=self.loss_chunk_size)
+        return chunked_linear_cross_entropy(hidden, weight, labels, chunk_size=self.loss_chunk_size)

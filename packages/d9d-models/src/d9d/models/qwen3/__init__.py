@@ -17,6 +17,13 @@ from d9d.models.qwen3.huggingface import (
 from d9d.models.qwen3.moe import Qwen3MoeForCausalLM, Qwen3MoeLayer, Qwen3MoeModel
 from d9d.models.qwen3.parallelize import parallelize_qwen3_dense, parallelize_qwen3_moe
 from d9d.models.qwen3.params import Qwen3DenseParameters, Qwen3MoeParameters
+from d9d.models.qwen3.tensor_parallel import (
+    TensorParallelPlan,
+    apply_qwen3_tensor_parallel,
+    check_qwen3_tp_degrees,
+    qwen3_dense_tp_plan,
+    qwen3_moe_tp_plan,
+)
 
 __all__ = [
     "Qwen3DenseForCausalLM",
@@ -29,6 +36,9 @@ __all__ = [
     "Qwen3MoeLayer",
     "Qwen3MoeModel",
     "Qwen3MoeParameters",
+    "TensorParallelPlan",
+    "apply_qwen3_tensor_parallel",
+    "check_qwen3_tp_degrees",
     "detect_experts_format",
     "hf_config_from_qwen3_dense",
     "hf_config_from_qwen3_moe",
@@ -39,5 +49,7 @@ __all__ = [
     "parallelize_qwen3_dense",
     "parallelize_qwen3_moe",
     "qwen3_dense_parameters_from_hf",
+    "qwen3_dense_tp_plan",
     "qwen3_moe_parameters_from_hf",
+    "qwen3_moe_tp_plan",
 ]

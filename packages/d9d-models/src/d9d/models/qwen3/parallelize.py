@@ -1,63 +1,165 @@
-"""Parallel plans for the Qwen3 families: data parallelism (replicate, FSDP, HSDP) over a stage's modules.
+"""Parallel plans for the Qwen3 families: one sequence of steps over a stage's modules, one plan per family per step.
+
+`parallelize_qwen3_dense` and `parallelize_qwen3_moe` run the same steps in this order:
+
+1. tensor + sequence parallelism on the `tp` dimension of the dense mesh (`tensor_parallel.py`, a plan per family);
+2. (context and expert parallelism add their steps here);
+3. data parallelism (replicate, FSDP, HSDP) on `(dp_replicate, dp_cp_shard)`, last, because FSDP wraps the DTensors
+   the earlier steps made.
 
 Modules are found by the roles the models declare (`d9d.models.roles.Role`), never by class: with FSDP/HSDP each
 decoder layer, the embedding and the LM head become their own units (unless the config names its own units), and the
-rest (final norm) joins the root unit. Tensor, context and expert parallelism are not implemented yet: a topology
-asking for them is refused up front rather than silently trained as data parallelism.
+rest (final norm) joins the root unit. A degree whose step is not implemented yet is refused up front rather than
+silently trained as data parallelism.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from torch import nn
 
 from d9d.core.dist import DistributedContext
 from d9d.core.dist.domains import MeshDomain
+from d9d.models.qwen3.tensor_parallel import (
+    TensorParallelConfig,
+    TensorParallelPlan,
+    apply_qwen3_tensor_parallel,
+    expert_units_mesh,
+    qwen3_dense_tp_plan,
+    qwen3_moe_tp_plan,
+)
 from d9d.models.roles import Role
-from d9d.parallel import AnyDataParallelConfig, FsdpConfig, GradientSync, HsdpConfig, build_data_parallel
+from d9d.parallel import (
+    AnyDataParallelConfig,
+    ByRole,
+    FsdpConfig,
+    GradientSync,
+    HsdpConfig,
+    ReplicateConfig,
+    build_data_parallel,
+    parallelize_fsdp,
+    parallelize_hsdp,
+    select_modules,
+)
 
 DEFAULT_UNIT_ROLES = [str(Role.DECODER_LAYER), str(Role.EMBEDDING), str(Role.LM_HEAD)]
 
 
+@dataclass(frozen=True)
+class Qwen3FamilyPlan:
+    """What differs between the families, step by step."""
+
+    name: str
+    tensor_parallel: Callable[[nn.Module], TensorParallelPlan]
+
+
+DENSE = Qwen3FamilyPlan(name="parallelize_qwen3_dense", tensor_parallel=qwen3_dense_tp_plan)
+MOE = Qwen3FamilyPlan(name="parallelize_qwen3_moe", tensor_parallel=qwen3_moe_tp_plan)
+
+
+def parallelize_qwen3_dense(
+    model: nn.Module,
+    ctx: DistributedContext,
+    config: AnyDataParallelConfig,
+    *,
+    tensor_parallel: TensorParallelConfig | None = None,
+) -> GradientSync:
+    """Apply the topology of `ctx` and `config` to a (stage of a) Qwen3 dense model built on the meta device, before
+    `materialize_`. Returns what the training loop drives per step (`begin_step`, `wait`).
+
+    Raises:
+        ValueError: the model's shapes do not divide by `tp`, or `kind='replicate'` with `tp > 1`.
+        NotImplementedError: the topology has cp or ep above 1, or pp and tp both above 1.
+    """
+    return _parallelize(model, ctx, config, DENSE, tensor_parallel or TensorParallelConfig())
+
+
+def parallelize_qwen3_moe(
+    model: nn.Module,
+    ctx: DistributedContext,
+    config: AnyDataParallelConfig,
+    *,
+    tensor_parallel: TensorParallelConfig | None = None,
+) -> GradientSync:
+    """Like `parallelize_qwen3_dense`. Experts are data-parallel parameters (sharded along the expert dimension under
+    FSDP); with `tp > 1` each MoE block routes its rank's sequence shard and is sharded over `dp_cp_shard x tp`
+    (docs/design/0005).
+
+    Raises:
+        ValueError: the model's shapes do not divide by `tp`, or `kind='replicate'` with `tp > 1`.
+        NotImplementedError: the topology has cp or ep above 1, or pp and tp both above 1.
+    """
+    return _parallelize(model, ctx, config, MOE, tensor_parallel or TensorParallelConfig())
+
+
+def _parallelize(
+    model: nn.Module,
+    ctx: DistributedContext,
+    config: AnyDataParallelConfig,
+    family: Qwen3FamilyPlan,
+    tensor_parallel: TensorParallelConfig,
+) -> GradientSync:
+    _refuse_unsupported(ctx, family.name)
+    tp = ctx.degrees.tp
+    if tp > 1:
+        if ctx.degrees.pp > 1:
+            raise NotImplementedError(
+                f"{family.name}: tp={tp} with pp={ctx.degrees.pp} is not supported yet: stage boundaries would carry "
+                "sequence-sharded DTensors the pipeline does not send; use pp=1 with tp, or tp=1 with pp."
+            )
+        if isinstance(config, ReplicateConfig):
+            raise ValueError(
+                f"{family.name}: kind='replicate' with tp={tp} is not supported: FSDP reduces the tensor-parallel "
+                "gradients of the replicated (norm) parameters; use kind='fsdp' (with dp_shard=1 it is tp alone) "
+                "or kind='hsdp'."
+            )
+        apply_qwen3_tensor_parallel(
+            model, ctx.mesh_for(MeshDomain.DENSE)["tp"], family.tensor_parallel(model), tensor_parallel
+        )
+    return _data_parallel(model, ctx, config)
+
+
 def _refuse_unsupported(ctx: DistributedContext, model_name: str) -> None:
     degrees = ctx.degrees
-    asked = {name: getattr(degrees, name) for name in ("tp", "cp", "ep") if getattr(degrees, name) > 1}
+    asked = {name: getattr(degrees, name) for name in ("cp", "ep") if getattr(degrees, name) > 1}
     if asked:
         shown = ", ".join(f"{name}={size}" for name, size in asked.items())
         raise NotImplementedError(
-            f"{model_name}: {shown} is not supported yet (tensor, context and expert parallelism are planned); "
-            "use pp, dp_replicate and dp_shard only, with tp=cp=ep=1."
+            f"{model_name}: {shown} is not supported yet (context and expert parallelism are planned); "
+            "use pp, dp_replicate, dp_shard and tp only, with cp=ep=1."
         )
+
+
+def _data_parallel(model: nn.Module, ctx: DistributedContext, config: AnyDataParallelConfig) -> GradientSync:
+    if ctx.degrees.tp > 1 and isinstance(config, FsdpConfig | HsdpConfig):
+        _shard_expert_units(model, ctx, config)
+    mesh = ctx.mesh_for(MeshDomain.DENSE)["dp_replicate", "dp_cp_shard"]
+    # On a meta-device model, replicate returns a synchroniser that allocates its buckets at the first step.
+    return build_data_parallel(_with_default_units(config), model, mesh)
+
+
+def _shard_expert_units(model: nn.Module, ctx: DistributedContext, config: FsdpConfig | HsdpConfig) -> None:
+    """Under tp each MoE block sees its rank's tokens only: shard it over `dp_cp_shard x tp` (tp as data ranks)."""
+    mesh = expert_units_mesh(ctx.mesh_for(MeshDomain.DENSE))
+    policy = config.mixed_precision.build() if config.mixed_precision else None
+    for _, moe in select_modules(model, [ByRole(str(Role.MOE))]):
+        if isinstance(config, FsdpConfig):
+            parallelize_fsdp(
+                moe, mesh["dp_cp_shard_tp"], mixed_precision=policy, reshard_after_forward=config.reshard_after_forward
+            )
+        else:
+            parallelize_hsdp(
+                moe,
+                mesh,
+                shard_dim="dp_cp_shard_tp",
+                mixed_precision=policy,
+                reshard_after_forward=config.reshard_after_forward,
+            )
 
 
 def _with_default_units(config: AnyDataParallelConfig) -> AnyDataParallelConfig:
     if isinstance(config, FsdpConfig | HsdpConfig) and not config.units and not config.unit_roles:
         return config.model_copy(update={"unit_roles": DEFAULT_UNIT_ROLES})
     return config
-
-
-def _parallelize(model: nn.Module, ctx: DistributedContext, config: AnyDataParallelConfig, name: str) -> GradientSync:
-    _refuse_unsupported(ctx, name)
-    mesh = ctx.mesh_for(MeshDomain.DENSE)["dp_replicate", "dp_cp_shard"]
-    # On a meta-device model, replicate returns a synchroniser that allocates its buckets at the first step.
-    return build_data_parallel(_with_default_units(config), model, mesh)
-
-
-def parallelize_qwen3_dense(model: nn.Module, ctx: DistributedContext, config: AnyDataParallelConfig) -> GradientSync:
-    """Apply `config` to a (stage of a) Qwen3 dense model built on the meta device, before `materialize_`.
-
-    Returns what the training loop drives per step (`begin_step`, `wait`).
-
-    Raises:
-        NotImplementedError: the topology has tp, cp or ep above 1.
-    """
-    return _parallelize(model, ctx, config, "parallelize_qwen3_dense")
-
-
-def parallelize_qwen3_moe(model: nn.Module, ctx: DistributedContext, config: AnyDataParallelConfig) -> GradientSync:
-    """Like `parallelize_qwen3_dense`; experts are data-parallel parameters like any other (sharded along the expert
-    dimension under FSDP) until expert parallelism lands.
-
-    Raises:
-        NotImplementedError: the topology has tp, cp or ep above 1.
-    """
-    return _parallelize(model, ctx, config, "parallelize_qwen3_moe")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from d9d.kernels.grouped_mm import GroupedMm
@@ -68,6 +69,10 @@ class MoELayer(nn.Module):
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.float32), persistent=False)
         self.aux_losses: dict[str, torch.Tensor] = {}
         self.aux_loss_weight = 1.0
+        # Set by a parallel plan when this block routes a shard of tokens whose other shards the ranks of this group
+        # route (tensor parallelism without expert parallelism): loads are summed over the group, so every rank sees
+        # the same counts, and each rank's auxiliary loss counts for 1/size of the group.
+        self.token_shard_group: dist.ProcessGroup | None = None
         # The weighted auxiliary losses of the training forwards since the last `take_weighted_aux_loss()`.
         self._weighted_aux_sum: torch.Tensor | None = None
 
@@ -93,7 +98,10 @@ class MoELayer(nn.Module):
             out = out + self.shared_experts(flat)
         if not _in_backward():
             with torch.no_grad():
-                self.tokens_per_expert.add_(permuted.group_sizes.float())
+                loads = permuted.group_sizes.float()
+                if self.token_shard_group is not None:
+                    dist.all_reduce(loads, group=self.token_shard_group)
+                self.tokens_per_expert.add_(loads)
         out = self._add_aux_losses(out, routing.scores, routing.logits, permuted.group_sizes)
         return out.view(shape)
 
@@ -108,7 +116,8 @@ class MoELayer(nn.Module):
         if not terms:
             return out
         self.aux_losses = {name: value.detach() for name, value in terms.items()}
-        total = self.aux_loss_weight * (
+        shards = 1 if self.token_shard_group is None else dist.get_world_size(self.token_shard_group)
+        total = (self.aux_loss_weight / shards) * (
             self.load_balancing_coef * terms.get("load_balancing", 0.0) + self.z_loss_coef * terms.get("z_loss", 0.0)
         )
         assert isinstance(total, torch.Tensor)
@@ -122,4 +131,6 @@ class MoELayer(nn.Module):
     def take_weighted_aux_loss(self) -> torch.Tensor | None:
         """The weighted auxiliary losses that went into backward since the last call (None: none did); resets."""
         taken, self._weighted_aux_sum = self._weighted_aux_sum, None
+        if taken is not None and self.token_shard_group is not None:
+            dist.all_reduce(taken, group=self.token_shard_group)  # the shards' parts of the step's auxiliary loss
         return taken

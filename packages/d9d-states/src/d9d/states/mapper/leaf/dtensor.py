@@ -40,14 +40,18 @@ def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
 class DistributeOp(UnaryOp):
     def __init__(self, name: str, mesh: DeviceMesh, placements: Sequence[Placement]) -> None:
         from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.placement_types import _StridedShard
 
         super().__init__(name, name)
-        unsupported = [p for p in placements if type(p) not in (Shard, Replicate)]
+        unsupported = [p for p in placements if type(p) not in (Shard, Replicate, _StridedShard)]
         if unsupported:
             raise MappingError(
                 f"Distribute {name!r}: placements {unsupported} cannot be built from a full tensor; use Shard(dim) "
                 "or Replicate()"
             )
+        # FSDP over a tensor-parallel split of the same dimension (`_StridedShard`): a rank's shard is several strided
+        # pieces, not one box; such a tensor is read whole and sliced in memory (bounded by its group all the same).
+        self.strided = any(type(p) is _StridedShard for p in placements)
         if len(placements) != mesh.ndim:
             raise MappingError(
                 f"Distribute {name!r}: {len(placements)} placements for a mesh of {mesh.ndim} dimensions"
@@ -74,6 +78,8 @@ class DistributeOp(UnaryOp):
     def input_box(self, output_box: Box, meta: TensorMeta) -> Box:
         if not is_full(output_box, meta.shape):
             raise MappingError(f"Distribute {self.source!r}: a DTensor is produced whole; it cannot be cropped")
+        if self.strided:
+            return tuple((0, size) for size in meta.shape)
         return local_box(meta.shape, self.mesh, self.placements)
 
     def plan_regions(self, metas: Mapping[str, TensorMeta], wanted: Mapping[str, Box]) -> RegionPlan | None:
@@ -83,8 +89,12 @@ class DistributeOp(UnaryOp):
         reads = {self.source: self.input_box(wanted[self.target], meta)}
 
         def run(tensors: Tensors) -> Tensors:
-            from torch.distributed.tensor import DTensor
+            from torch.distributed.tensor import DTensor, distribute_tensor
 
+            if self.strided:
+                return {
+                    self.target: distribute_tensor(tensors[self.source], self.mesh, self.placements, src_data_rank=None)
+                }
             local = tensors[self.source].contiguous()
             dtensor = DTensor.from_local(
                 local,
@@ -100,9 +110,11 @@ class DistributeOp(UnaryOp):
 
 
 class Distribute(OpMapper):
-    """Turn full tensors into DTensors with `placements` on `mesh` (Shard and Replicate only).
+    """Turn full tensors into DTensors with `placements` on `mesh` (Shard, Replicate, and FSDP's `_StridedShard` over
+    a tensor-parallel split, which is read whole and sliced in memory).
 
-    Loading through it reads only each rank's shard from disk; `apply` on an in-memory full tensor slices locally.
+    Loading through it reads only each rank's shard from disk (plain placements); `apply` on an in-memory full tensor
+    slices locally.
     """
 
     def __init__(self, names: str | Iterable[str], mesh: DeviceMesh, placements: Sequence[Placement]) -> None:
