@@ -14,18 +14,23 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from d9d.core.dist import MeshDegrees
 from d9d.parallel import AnyDataParallelConfig, FsdpConfig
+from d9d.parallel.tensor import TensorParallelConfig
 
 Device = Literal["auto", "cpu", "cuda"]
 
 
 class RankTopology(BaseModel):
-    """Ranks per node under `torchrun`, the mesh degrees over them, the data-parallel style, and the device."""
+    """Ranks per node under `torchrun`, the mesh degrees over them, the data- and tensor-parallel options, and the
+    device."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     nproc_per_node: int = Field(default=2, ge=1, description="local ranks under torchrun (gloo on CPU, NCCL on GPUs)")
     degrees: MeshDegrees = Field(default_factory=lambda: MeshDegrees(dp_shard=-1))
     data_parallel: AnyDataParallelConfig = Field(default_factory=FsdpConfig)
+    tensor_parallel: TensorParallelConfig = Field(
+        default_factory=TensorParallelConfig, description="options of tensor parallelism (with degrees.tp > 1)"
+    )
     device: Device = "auto"
 
     def data_parallel_size(self) -> int | None:

@@ -99,6 +99,7 @@ class EvaluateSuiteConfig(BaseModel):
             nproc_per_node=stage.nproc_per_node,
             degrees=stage.degrees,
             data_parallel=stage.data_parallel,
+            tensor_parallel=stage.tensor_parallel,
             device=stage.device,
             rows_per_step=stage.rows_per_step,
             steps=stage.steps,

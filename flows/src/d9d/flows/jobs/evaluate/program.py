@@ -61,7 +61,7 @@ def run_evaluate(config: EvaluateConfig, ctx: DistributedContext) -> EvaluationR
     checkpoint = resolve_checkpoint(config.checkpoint)
     if checkpoint is not None and config.weights is not None:
         raise ValueError(f"checkpoint={config.checkpoint} and weights={config.weights}: set one of them, not both")
-    built = build_model(config.model, ctx, config.data_parallel)
+    built = build_model(config.model, ctx, config.data_parallel, tensor_parallel=config.tensor_parallel)
     if checkpoint is not None:
         load_model_weights(checkpoint, built.model)
     elif config.weights is not None:

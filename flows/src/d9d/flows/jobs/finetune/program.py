@@ -132,7 +132,14 @@ def run_finetune(config: FinetuneRankConfig, ctx: DistributedContext, events: Ev
         load_base(base, model, injections[-1], stage.base_mapping)
 
     def model_provider(ctx: DistributedContext, loader: ModelLoader | None) -> BuiltModel:
-        return build_model(config.model, ctx, stage.data_parallel, prepare=prepare, loader=loader)
+        return build_model(
+            config.model,
+            ctx,
+            stage.data_parallel,
+            prepare=prepare,
+            loader=loader,
+            tensor_parallel=stage.tensor_parallel,
+        )
 
     def data_provider(ctx: DistributedContext, microbatches_per_step: int) -> LoaderDataSource:
         loader = packed_loader(

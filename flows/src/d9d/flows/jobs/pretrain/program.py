@@ -37,7 +37,7 @@ def run_pretrain(config: PretrainRankConfig, ctx: DistributedContext, events: Ev
     stage = config.stage
 
     def model_provider(ctx: DistributedContext, loader: ModelLoader | None) -> BuiltModel:
-        return build_model(stage.model, ctx, stage.data_parallel, loader=loader)
+        return build_model(stage.model, ctx, stage.data_parallel, loader=loader, tensor_parallel=stage.tensor_parallel)
 
     def data_provider(ctx: DistributedContext, microbatches_per_step: int) -> LoaderDataSource:
         loader = packed_loader(
