@@ -109,6 +109,40 @@ def test_a_stage_alone_needs_the_outputs_it_reads(capsys, tmp_path):
     assert "run `d9d run data-prep` (or the pipeline) first" in err
 
 
+def test_an_empty_workdir_is_refused(capsys):
+    err = _error(capsys, ["run", "pipeline", "--preset", "micro", "--set", "workdir="])
+    assert "workdir" in err and "workdir is empty; name a directory for the stage outputs" in err
+
+
+def test_a_workdir_under_a_file_names_the_file(capsys, tmp_path):
+    (tmp_path / "notes.txt").write_text("a file, not a directory")
+    err = _error(capsys, ["run", "pipeline", "--preset", "micro", "--set", f"workdir={tmp_path}/notes.txt/run"])
+    assert f"workdir={tmp_path}/notes.txt/run is under {tmp_path}/notes.txt, which is a file" in err
+
+
+def test_a_run_shorter_than_the_presets_warm_up_fails_before_launch(capsys, tmp_path):
+    err = _error(
+        capsys, ["run", "pipeline", "--preset", "tiny", "--set", f"workdir={tmp_path}", "--set", "pretrain.steps=10"]
+    )
+    assert "d9d: error: pretrain.lr_schedule does not fit pretrain.steps=10" in err
+    assert "raise pretrain.steps" in err
+
+
+def test_the_console_drops_prefects_run_tracebacks_but_keeps_other_records():
+    import logging
+
+    from d9d.flows.cli import _NoRunTracebacks
+
+    def record(name: str, level: int) -> logging.LogRecord:
+        return logging.LogRecord(name, level, __file__, 1, "Encountered exception during execution", None, None)
+
+    keep = _NoRunTracebacks().filter
+    assert not keep(record("prefect.flow_runs", logging.ERROR))  # d9d prints the cause itself, in one message
+    assert not keep(record("prefect.task_runs", logging.ERROR))
+    assert keep(record("prefect.flow_runs", logging.WARNING))
+    assert keep(record("prefect.server", logging.ERROR))
+
+
 def test_a_workdir_holding_a_foreign_folder_is_refused_and_the_folder_kept(capsys, tmp_path):
     """`--set workdir=/shared` where /shared/data is not d9d's: refused before anything runs, nothing touched."""
     shared = tmp_path / "shared"

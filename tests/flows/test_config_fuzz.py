@@ -11,9 +11,10 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from d9d.core.config import non_finite_fields
+from d9d.core.config.overrides import models_in
 from d9d.flows.cli import main
 from d9d.flows.jobs.config import JobConfig
-from d9d.flows.jobs.loading import JobConfigError, _models_in, load_job_config
+from d9d.flows.jobs.loading import JobConfigError, load_job_config
 
 
 def _paths(model: type[BaseModel], prefix: str = "", depth: int = 0) -> list[str]:
@@ -22,7 +23,7 @@ def _paths(model: type[BaseModel], prefix: str = "", depth: int = 0) -> list[str
         path = f"{prefix}{name}"
         found.append(path)
         if depth < 3:
-            for inner in _models_in(field.annotation):
+            for inner in models_in(field.annotation):
                 found += _paths(inner, f"{path}.", depth + 1)
     return sorted(set(found))
 

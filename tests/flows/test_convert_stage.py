@@ -1,4 +1,4 @@
-"""The convert stage (no Prefect): named mappings from `d9d.models.catalogue`, the random embedded source, the
+"""The convert stage (no Prefect): named mappings from `d9d.models.conversions`, the random embedded source, the
 stage contract (skip when the manifest matches, rerun when the mapping or the source changes), `d9d convert`."""
 
 import json
@@ -10,7 +10,8 @@ from d9d.flows.cli import main
 from d9d.flows.jobs.contract import StageManifest, StageOutputConflict
 from d9d.flows.jobs.convert import ConvertConfig, convert_model
 from d9d.models import materialize_
-from d9d.models.qwen3 import Qwen3MoeForCausalLM, Qwen3MoeParameters
+from d9d.models.catalogue import read_parameters
+from d9d.models.qwen3 import Qwen3MoeForCausalLM
 from d9d.states import load_model_state
 from d9d.states.io.source import CheckpointSource
 
@@ -20,7 +21,7 @@ def test_embedded_default_converts_a_random_hf_checkpoint_and_then_skips(tmp_pat
     first = convert_model(ConvertConfig(), output)
     assert first.status == "ran"
     checkpoint = output / "checkpoint"
-    params = Qwen3MoeParameters.model_validate_json((checkpoint / "parameters.json").read_text())
+    params = read_parameters(checkpoint)
     with torch.device("meta"):
         model = Qwen3MoeForCausalLM(params)
     materialize_(model, "cpu").to(torch.bfloat16)  # the embedded source is stored in bf16
@@ -64,6 +65,22 @@ def test_cli_reports_bad_mappings_and_missing_arguments(tmp_path, capsys):
     assert "no mapping named 'llama'" in capsys.readouterr().err
     assert main(["convert", "--mapping", "qwen3-hf-to-d9d"]) == 2
     assert "convert needs --mapping NAME SRC DST" in capsys.readouterr().err
+
+
+def test_converting_a_model_directory_without_parameters_json_says_what_to_do(tmp_path, capsys):
+    output = tmp_path / "model"
+    convert_model(ConvertConfig(), output)
+    older = tmp_path / "older-merged"  # a d9d directory as d9d wrote them before they recorded their parameters
+    older.mkdir()
+    for file in (output / "checkpoint").iterdir():
+        if file.name != "parameters.json":
+            (older / file.name).write_bytes(file.read_bytes())
+    assert main(["convert", "--mapping", "qwen3-moe-d9d-to-hf", str(older), str(tmp_path / "hf")]) == 0
+    err = capsys.readouterr().err
+    assert f"{older} has no parameters.json, so {tmp_path / 'hf'} has no config.json" in err
+    assert main(["convert", "--mapping", "qwen3-moe-d9d-to-hf", str(output / "checkpoint"), str(tmp_path / "hf2")]) == 0
+    assert "no parameters.json" not in capsys.readouterr().err
+    assert json.loads((tmp_path / "hf2" / "config.json").read_text())["model_type"] == "qwen3_moe"
 
 
 def _tree(root):

@@ -9,11 +9,12 @@ import pytest
 from d9d.flows.jobs.contract import MANIFEST_FILENAME
 from d9d.flows.jobs.convert import ConvertConfig, convert_model
 from d9d.flows.jobs.data_prep import FileTokenizer
-from d9d.flows.jobs.finetune.stage import FinetuneInputs, plan_finetune, rank_config
+from d9d.flows.jobs.finetune.stage import inputs_of, plan_finetune, rank_config
+from d9d.flows.jobs.finetune.stage import preflight as preflight_finetune
 from d9d.flows.jobs.loading import JobConfigError, load_job_config
-from d9d.flows.jobs.preflight import PreflightError, preflight_finetune, require_inputs
 from d9d.flows.jobs.pretrain.stage import init_checkpoint
-from d9d.flows.jobs.stage_names import PIPELINE
+from d9d.flows.jobs.stage_spec import PreflightError
+from d9d.flows.jobs.stages import PIPELINE, STAGES, require_inputs
 
 
 def _config(tmp_path, *overrides):
@@ -26,13 +27,7 @@ def _plan(tmp_path, *overrides):
         if not (stage_output / MANIFEST_FILENAME).is_file():
             stage_output.mkdir(parents=True, exist_ok=True)
             (stage_output / MANIFEST_FILENAME).write_text(json.dumps({"stage": stage_output.name}))
-    inputs = FinetuneInputs(
-        model=config.pretrain.model,
-        seq_len=config.pretrain.seq_len,
-        pretrain_output=config.pretrain_output,
-        data_output=config.finetune_data_output,
-    )
-    return plan_finetune(config.finetune, inputs, config.finetune_output)
+    return plan_finetune(config.finetune, inputs_of(config), config.finetune_output)
 
 
 def test_the_pipeline_fine_tunes_between_pretrain_and_evaluate():
@@ -63,14 +58,14 @@ def test_rank_program_starts_from_the_pretrain_checkpoints_and_keeps_adapter_onl
     plan = _plan(tmp_path)
     config = rank_config(plan, tmp_path / ".finetune.partial")
     assert config.base == tmp_path / "pretrain" / "checkpoints"
-    assert config.model == plan.inputs.model and config.data.seq_len == 64
-    assert config.data.shards == tmp_path / "finetune-data" / "train"
-    assert config.validation is not None and config.validation.shards == tmp_path / "finetune-data" / "validation"
-    assert config.trainer.checkpointing.trainable_only
-    assert config.trainer.checkpointing.directory == tmp_path / ".finetune.partial" / "checkpoints"
-    assert config.peft.kind == "lora"
-    assert config.peft.module_name_pattern.fullmatch("model.layers.1.mlp.down_proj")
-    assert config.peft.module_name_pattern.fullmatch("model.layers.0.self_attn.q_proj")
+    assert config.model == plan.inputs.model and config.seq_len == 64
+    assert config.stage is plan.config  # the job's section, embedded unchanged
+    assert config.train_shards == tmp_path / "finetune-data" / "train"
+    assert config.validation_shards == tmp_path / "finetune-data" / "validation"
+    assert config.checkpoints == tmp_path / ".finetune.partial" / "checkpoints"
+    assert config.stage.peft.kind == "lora"
+    assert config.stage.peft.module_name_pattern.fullmatch("model.layers.1.mlp.down_proj")
+    assert config.stage.peft.module_name_pattern.fullmatch("model.layers.0.self_attn.q_proj")
     assert config.tracker.model_dump()["directory"] == tmp_path / ".finetune.partial" / "tracker"
 
 
@@ -80,14 +75,43 @@ def test_finetune_preflight_names_the_fields_of_a_batch_that_cannot_be_split(tmp
     preflight_finetune(_config(tmp_path))
 
 
+def test_a_schedule_longer_than_the_run_fails_before_launch_naming_the_fields(tmp_path):
+    from d9d.flows.jobs.pretrain.stage import preflight as preflight_pretrain
+
+    warm_up = (
+        "{kind: piecewise, initial: 0.1, phases: [{mode: steps, steps: 20, target: 1.0}, {mode: rest, target: 0.1}]}"
+    )
+    with pytest.raises(
+        PreflightError, match=r"pretrain.lr_schedule does not fit pretrain.steps=10: .*raise pretrain.steps"
+    ):
+        preflight_pretrain(_config(tmp_path, f"pretrain.lr_schedule={warm_up}", "pretrain.steps=10"))
+    preflight_pretrain(_config(tmp_path, f"pretrain.lr_schedule={warm_up}", "pretrain.steps=30"))
+
+
 def test_finetune_needs_pretrain_and_finetune_data_unless_they_run_first(tmp_path):
     config = _config(tmp_path)
-    require_inputs(config, "finetune", PIPELINE)
+    require_inputs(config, STAGES["finetune"], PIPELINE)
     with pytest.raises(PreflightError, match=r"finetune reads the output of pretrain at .*; run `d9d run pretrain`"):
-        require_inputs(config, "finetune", ["finetune"])
+        require_inputs(config, STAGES["finetune"], ["finetune"])
     with pytest.raises(PreflightError, match=r"evaluate reads the output of finetune-data"):
-        require_inputs(config, "evaluate", ["data-prep", "pretrain", "finetune", "evaluate"])
-    require_inputs(_config(tmp_path, "evaluate.finetune=false"), "evaluate", ["data-prep", "pretrain", "evaluate"])
+        require_inputs(config, STAGES["evaluate"], ["data-prep", "pretrain", "finetune", "evaluate"])
+    require_inputs(_config(tmp_path, "evaluate.finetune=false"), STAGES["evaluate"], ["data-prep", "pretrain"])
+
+
+def test_a_finetune_from_its_own_base_does_not_need_pretrain_and_takes_the_bases_model(tmp_path):
+    from d9d.models.random_checkpoint import write_random_hf_checkpoint
+
+    config = _config(tmp_path)
+    hf = write_random_hf_checkpoint(
+        tmp_path / "hf", config.pretrain.model.parameters.model_copy(update={"num_layers": 3})
+    )
+    with pytest.raises(PreflightError, match=r"finetune.base=.*hf: cannot tell which model it holds .*base_mapping"):
+        preflight_finetune(_config(tmp_path, f"finetune.base={hf}"))
+    own = _config(tmp_path, f"finetune.base={hf}", "finetune.base_mapping=qwen3-hf-to-d9d")
+    preflight_finetune(own)
+    assert STAGES["finetune"].reads(own) == {"finetune-data": own.finetune_data_output}
+    inputs = inputs_of(own)
+    assert inputs.base == hf and inputs.base_manifest is None and inputs.model.parameters.num_layers == 3
 
 
 def test_the_random_base_follows_the_pretrain_model_so_pretraining_starts_from_it(tmp_path):

@@ -28,15 +28,14 @@ def job_file(tmp_path):
     with TokenShardSetWriter(tmp_path / "shards", dtype="uint16", max_shard_tokens=200) as writer:
         for _ in range(40):
             writer.add_document(rng.integers(0, 96, size=int(rng.integers(3, 30))), num_bytes=10)
-    job = {
-        "model": {"kind": "qwen3_dense", "parameters": TINY_DENSE, "decoder": {"attention": {"kind": "eager"}}},
-        "data": {"shards": str(tmp_path / "shards"), "seq_len": 16},
-        "trainer": {
-            "total_steps": 6, "global_batch_rows": 4, "microbatch_rows": 1,
-            "checkpointing": {"directory": str(tmp_path / "checkpoints"), "every_steps": 3},
+    job = {  # the job's `pretrain` section as a user writes it, and the paths the stage resolves
+        "stage": {
+            "model": {"kind": "qwen3_dense", "parameters": TINY_DENSE, "decoder": {"attention": {"kind": "eager"}}},
+            "seq_len": 16, "steps": 6, "global_batch_rows": 4, "microbatch_rows": 1, "checkpoint_every": 3,
+            "optimizer": {"kind": "adamw", "lr": 0.003}, "device": "cpu",
         },
-        "optimizer": {"kind": "adamw", "lr": 0.003},
-        "device": "cpu",
+        "train_shards": str(tmp_path / "shards"),
+        "checkpoints": str(tmp_path / "checkpoints"),
         "tracker": {"kind": "jsonl", "directory": str(tmp_path / "metrics")},
     }  # fmt: skip
     path = tmp_path / "job.yaml"
@@ -47,7 +46,7 @@ def job_file(tmp_path):
 @pytest.mark.distributed(world_size=2, timeout=180)
 def test_pretrain_program_trains_checkpoints_and_resumes(job_file):
     root = job_file.parent
-    assert main(["--config", str(job_file), "--set", "trainer.total_steps=3"]) == 0
+    assert main(["--config", str(job_file), "--set", "stage.steps=3"]) == 0
     assert latest_complete(root / "checkpoints").name == "step-00000003"
     assert main(["--config", str(job_file)]) == 0  # resumes at step 3, trains 4..6
     assert latest_complete(root / "checkpoints").name == "step-00000006"
@@ -59,9 +58,9 @@ def test_pretrain_program_trains_checkpoints_and_resumes(job_file):
 @pytest.mark.distributed(world_size=2, timeout=180)
 def test_evaluate_program_reports_loss_perplexity_and_bits_per_byte_of_a_checkpoint(job_file):
     root = job_file.parent
-    assert main(["--config", str(job_file), "--set", "trainer.total_steps=3"]) == 0
+    assert main(["--config", str(job_file), "--set", "stage.steps=3"]) == 0
     job = yaml.safe_load(job_file.read_text())
-    config = {"model": job["model"], "shards": job["data"]["shards"], "seq_len": 16, "rows_per_step": 4,
+    config = {"model": job["stage"]["model"], "shards": job["train_shards"], "seq_len": 16, "rows_per_step": 4,
               "device": "cpu", "output": str(root / "eval")}  # fmt: skip
     eval_file = root / "evaluate.yaml"
     if dist.get_rank() == 0:  # one writer: a rank reading while another truncates the file would see it empty

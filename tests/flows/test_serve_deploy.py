@@ -235,7 +235,7 @@ def test_deploy_creates_pool_limits_and_a_cron_deployment_that_a_process_worker_
         assert pool.base_job_template["variables"]["properties"]["env"]["default"] == {"OMP_NUM_THREADS": "1"}
         assert client.read_global_concurrency_limit_by_name("gpus-test").limit == 8
         deployment = client.read_deployment_by_name("convert/nightly-convert")
-        assert deployment.entrypoint == "d9d.flows.stages.convert.convert_flow"
+        assert deployment.entrypoint == "d9d.flows.stage_flow.convert_flow"
         assert deployment.work_pool_name == "local-test"
         assert [(s.schedule.cron, s.schedule.timezone, s.active) for s in deployment.schedules] == [
             ("0 3 * * *", "Europe/Berlin", True)
@@ -344,7 +344,6 @@ def _load_checkpoint_model(checkpoint: Path) -> int:
 
 
 def test_cancelling_a_running_pretrain_deployment_run_leaves_no_rank_and_a_complete_checkpoint(server, tmp_path):
-    pytest.importorskip("d9d.flows.stages.pretrain", reason="the pretrain stage flow (d9d.flows.stages.pretrain)")
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.objects import StateType
     from prefect.deployments import run_deployment

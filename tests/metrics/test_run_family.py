@@ -8,7 +8,8 @@ import math
 
 import pytest
 
-from d9d.flows.jobs.evaluate.program import EvaluateConfig, EvaluationReport, log_report
+from d9d.flows.jobs.evaluate.config import EvaluateConfig
+from d9d.flows.jobs.evaluate.program import EvaluationReport, log_report
 from d9d.metrics.trackers import AimTrackerConfig, build_tracker
 
 TINY_DENSE = {

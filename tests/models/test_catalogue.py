@@ -1,69 +1,83 @@
-"""Named conversions (`d9d convert`): a random Hugging Face checkpoint written by our mapper, to d9d and back."""
+"""The model catalogue: `AnyModelConfig` chosen by `kind`, `build_model`, and `parameters.json` recording the kind."""
 
 import json
 
 import pytest
 import torch
+from pydantic import TypeAdapter
 
-from d9d.models import materialize_
-from d9d.models.catalogue import NAMED_MAPPINGS, describe_mappings, named_mapping
-from d9d.models.qwen3 import Qwen3DenseParameters, Qwen3MoeForCausalLM, Qwen3MoeParameters
-from d9d.models.random_checkpoint import TINY_QWEN3_MOE, write_random_hf_checkpoint
-from d9d.states import MappingError, convert_checkpoint, load_model_state
-from d9d.states.io.source import CheckpointSource
-
-DENSE = Qwen3DenseParameters(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=48,
-    num_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=16,
+from d9d.core.dist import DistributedContext, MeshDegrees
+from d9d.core.loop import EventBus, ForwardBackwardFinished
+from d9d.models.blocks.moe import MoeBiasBalancer
+from d9d.models.catalogue import (
+    AnyModelConfig,
+    Qwen3DenseModelConfig,
+    Qwen3MoeModelConfig,
+    build_model,
+    model_config_for,
+    read_parameters,
+    write_parameters,
 )
+from d9d.models.qwen3 import Qwen3DenseForCausalLM, Qwen3DenseParameters, Qwen3MoeForCausalLM, Qwen3MoeParameters
+from d9d.parallel import FsdpConfig
+
+DENSE = {
+    "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 64,
+}  # fmt: skip
+MOE = {**DENSE, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
+EAGER = {"attention": {"kind": "eager"}, "grouped_mm": {"kind": "eager"}}
 
 
-def _convert(name, source, destination):
-    mapping = named_mapping(name)
-    convert_checkpoint(source, destination, mapping.factory)
-    mapping.convert_config(source, destination, torch.float32)
+def test_the_kind_picks_the_family_and_build_model_builds_it():
+    adapter = TypeAdapter(AnyModelConfig)
+    dense = adapter.validate_python({"kind": "qwen3_dense", "parameters": DENSE, "decoder": EAGER})
+    moe = adapter.validate_python({"kind": "qwen3_moe", "parameters": MOE, "decoder": EAGER})
+    assert isinstance(dense, Qwen3DenseModelConfig) and isinstance(moe, Qwen3MoeModelConfig)
+    ctx = DistributedContext.build(MeshDegrees(), device="cpu")
+    assert isinstance(build_model(dense, ctx, FsdpConfig()).model, Qwen3DenseForCausalLM)
+    built = build_model(moe, ctx, FsdpConfig())
+    assert isinstance(built.model, Qwen3MoeForCausalLM)
+    assert built.subscribers == ()  # softmax routing: no expert bias to balance
 
 
-def test_catalogue_lists_the_qwen3_conversions():
-    assert {"qwen3-hf-to-d9d", "qwen3-d9d-to-hf", "qwen3-moe-hf-to-d9d", "qwen3-moe-d9d-to-hf"} <= NAMED_MAPPINGS.keys()
-    assert "qwen3-moe-d9d-to-hf-fused" in describe_mappings()
-    with pytest.raises(KeyError, match="no mapping named 'llama'; valid: qwen3-hf-to-d9d"):
-        named_mapping("llama")
+def test_a_moe_with_a_router_bias_gets_its_balancer_as_a_loop_subscriber():
+    parameters = {**MOE, "router_scoring": "sigmoid", "router_expert_bias": True}
+    config = Qwen3MoeModelConfig.model_validate({"parameters": parameters, "decoder": EAGER, "expert_bias_rate": 0.1})
+    ctx = DistributedContext.build(MeshDegrees(), device="cpu")
+    built = build_model(config, ctx, FsdpConfig())
+    (balancer,) = built.subscribers
+    assert isinstance(balancer, MoeBiasBalancer)
+    events = EventBus()
+    balancer.subscribe(events)
+    built.model(torch.randint(0, 64, (2, 9)))
+    finished = ForwardBackwardFinished(step=1, num_microbatches=1)
+    events.emit(finished)
+    assert sorted(finished.metrics) == [
+        "expert_load_max_over_mean/model.layers.0.mlp",
+        "expert_load_max_over_mean/model.layers.1.mlp",
+    ]
+    assert all(value >= 1.0 for value in finished.metrics.values())
+    bias = built.model.get_submodule("model.layers.0.mlp").router.expert_bias
+    assert bias.abs().sum() > 0  # the bias moved towards balance
 
 
-def test_moe_round_trip_through_named_mappings_is_exact(tmp_path):
-    write_random_hf_checkpoint(tmp_path / "hf", TINY_QWEN3_MOE, seed=3, dtype=torch.float32)
-    _convert("qwen3-moe-hf-to-d9d", tmp_path / "hf", tmp_path / "d9d")
-    params = Qwen3MoeParameters.model_validate_json((tmp_path / "d9d" / "parameters.json").read_text())
-    assert params == TINY_QWEN3_MOE
-    with torch.device("meta"):
-        model = Qwen3MoeForCausalLM(params)
-    materialize_(model, "cpu")
-    load_model_state(tmp_path / "d9d", model)  # d9d names: no mapping needed
-    torch.manual_seed(3)
-    with torch.device("meta"):
-        original = Qwen3MoeForCausalLM(params)
-    materialize_(original, "cpu")
-    for name, tensor in original.state_dict().items():
-        assert torch.equal(model.state_dict()[name], tensor), name
-    _convert("qwen3-moe-d9d-to-hf", tmp_path / "d9d", tmp_path / "back")
-    first, back = CheckpointSource.open(tmp_path / "hf"), CheckpointSource.open(tmp_path / "back")
-    assert first.metas() == back.metas()
-    assert json.loads((tmp_path / "back" / "config.json").read_text())["num_experts"] == 4
-    _convert("qwen3-moe-d9d-to-hf-fused", tmp_path / "d9d", tmp_path / "fused")
-    assert "model.layers.0.mlp.experts.gate_up_proj" in CheckpointSource.open(tmp_path / "fused").metas()
-    _convert("qwen3-moe-hf-to-d9d", tmp_path / "fused", tmp_path / "d9d-again")
-    assert CheckpointSource.open(tmp_path / "d9d-again").metas() == CheckpointSource.open(tmp_path / "d9d").metas()
+@pytest.mark.parametrize("raw", [DENSE, MOE])
+def test_parameters_json_records_the_kind_and_reads_back(tmp_path, raw):
+    parameters = (Qwen3MoeParameters if "num_experts" in raw else Qwen3DenseParameters).model_validate(raw)
+    assert model_config_for(parameters).kind == ("qwen3_moe" if "num_experts" in raw else "qwen3_dense")
+    write_parameters(tmp_path, parameters)
+    record = json.loads((tmp_path / "parameters.json").read_text())
+    assert record["kind"] == ("qwen3_moe" if "num_experts" in raw else "qwen3_dense")
+    assert read_parameters(tmp_path) == parameters and type(read_parameters(tmp_path)) is type(parameters)
 
 
-def test_family_mismatch_names_the_right_mapping(tmp_path):
-    write_random_hf_checkpoint(tmp_path / "dense", DENSE, dtype=torch.float32)
-    with pytest.raises(MappingError, match="has no MoE layers; use 'qwen3-hf-to-d9d'"):
-        convert_checkpoint(tmp_path / "dense", tmp_path / "out", named_mapping("qwen3-moe-hf-to-d9d").factory)
-    _convert("qwen3-hf-to-d9d", tmp_path / "dense", tmp_path / "d9d")
-    assert Qwen3DenseParameters.model_validate_json((tmp_path / "d9d" / "parameters.json").read_text()) == DENSE
+def test_a_parameters_json_without_kind_from_before_the_catalogue_still_reads(tmp_path):
+    (tmp_path / "parameters.json").write_text(json.dumps(MOE))
+    assert isinstance(read_parameters(tmp_path), Qwen3MoeParameters)
+
+
+def test_an_unknown_kind_is_refused_naming_the_valid_ones(tmp_path):
+    (tmp_path / "parameters.json").write_text(json.dumps({**DENSE, "kind": "llama"}))
+    with pytest.raises(ValueError, match=r"kind='llama'.*valid: qwen3_dense, qwen3_moe"):
+        read_parameters(tmp_path)

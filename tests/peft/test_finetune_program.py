@@ -14,9 +14,8 @@ from d9d.core.checkpoint import latest_complete, load_model_weights
 from d9d.core.data import TokenShardSetWriter
 from d9d.core.dist import DistributedContext, MeshDegrees
 from d9d.flows.jobs.finetune.program import main as finetune
-from d9d.flows.jobs.pretrain.config import Qwen3DenseModelConfig, Qwen3MoeModelConfig
 from d9d.flows.jobs.pretrain.program import main as pretrain
-from d9d.flows.jobs.pretrain.program import model_provider_for
+from d9d.models.catalogue import Qwen3DenseModelConfig, Qwen3MoeModelConfig, build_model
 from d9d.parallel import FsdpConfig
 from d9d.peft import build_peft_method, inject_peft_and_freeze
 from d9d.peft.config import LoRAConfig
@@ -78,24 +77,21 @@ def test_lora_finetune_lowers_validation_loss_with_adapter_only_checkpoints(tmp_
         _markov_shards(root / "finetune-val", seed=2, chain_seed=200, documents=24)
     dist.barrier()
     model = {**MODELS[kind], "decoder": {"attention": {"kind": "eager"}, "grouped_mm": {"kind": "eager"}}}
-    trainer = {"global_batch_rows": 8, "microbatch_rows": 4, "seed": 0}
+    loop = {"global_batch_rows": 8, "microbatch_rows": 4, "seed": 0, "device": "cpu"}
     _write_yaml(root / "pretrain.yaml", {
-        "model": model, "data": {"shards": str(root / "pretrain"), "seq_len": 32}, "device": "cpu",
-        "trainer": {**trainer, "total_steps": 30, "checkpointing": {"directory": str(root / "pretrain-ckpt")}},
-        "optimizer": {"kind": "adamw", "lr": 0.01},
+        "stage": {**loop, "model": model, "seq_len": 32, "steps": 30, "optimizer": {"kind": "adamw", "lr": 0.01}},
+        "train_shards": str(root / "pretrain"), "checkpoints": str(root / "pretrain-ckpt"),
     })  # fmt: skip
     assert pretrain(["--config", str(root / "pretrain.yaml")]) == 0
     _write_yaml(root / "finetune.yaml", {
-        "model": model, "base": str(root / "pretrain-ckpt"), "peft": LORA, "device": "cpu",
-        "data": {"shards": str(root / "finetune"), "seq_len": 32},
-        "validation": {"shards": str(root / "finetune-val"), "rows_per_step": 8, "steps": 4},
-        "trainer": {**trainer, "total_steps": 50, "checkpointing": {
-            "directory": str(root / "finetune-ckpt"), "every_steps": 25, "trainable_only": True}},
-        "optimizer": {"kind": "adamw", "lr": 0.01},
-        "output": str(root / "out"), "export_hf_peft": True,
+        "stage": {**loop, "peft": LORA, "steps": 50, "checkpoint_every": 25, "optimizer": {"kind": "adamw", "lr": 0.01},
+                  "validation_rows_per_step": 8, "validation_steps": 4, "export_hf_peft": True},
+        "model": model, "seq_len": 32, "base": str(root / "pretrain-ckpt"),
+        "train_shards": str(root / "finetune"), "validation_shards": str(root / "finetune-val"),
+        "checkpoints": str(root / "finetune-ckpt"), "output": str(root / "out"),
     })  # fmt: skip
     # 25 steps, then a second run resumes from the adapter-only checkpoint (base loaded first) and does 26..50.
-    assert finetune(["--config", str(root / "finetune.yaml"), "--set", "trainer.total_steps=25"]) == 0
+    assert finetune(["--config", str(root / "finetune.yaml"), "--set", "stage.steps=25"]) == 0
     assert finetune(["--config", str(root / "finetune.yaml")]) == 0
     dist.barrier()
 
@@ -123,21 +119,20 @@ def test_lora_finetune_lowers_validation_loss_with_adapter_only_checkpoints(tmp_
     method = build_peft_method(LoRAConfig.model_validate(LORA))
     injections = []  # what the provider's injection returned
     ctx = DistributedContext.build(MeshDegrees(dp_shard=2), device="cpu")
-    inject = model_provider_for(
-        model_config, FsdpConfig(), lambda m: injections.append(inject_peft_and_freeze(method, m))
-    )
-    restored = inject(ctx, None).model
+    restored = build_model(
+        model_config, ctx, FsdpConfig(), prepare=lambda m: injections.append(inject_peft_and_freeze(method, m))
+    ).model
     (injection,) = injections
     base_names = [name for name in restored.state_dict() if name not in injection.adapter_names]
     load_model_weights(base_ckpt, restored, names=base_names)
     load_model_weights(adapter_ckpt, restored, names=sorted(injection.parameters_to_train))
-    merged = model_provider_for(model_config, FsdpConfig())(ctx, None).model
+    merged = build_model(model_config, ctx, FsdpConfig()).model
     load_model_state(root / "out" / "merged", merged)
     ids = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(5))
     restored_losses, merged_losses = token_losses(restored, ids), token_losses(merged, ids)
     # Per-token losses (the LM head's FSDP forward), fp32: W + s*B*A rounded once against the two-path sum.
     torch.testing.assert_close(merged_losses, restored_losses, rtol=1e-4, atol=1e-4)
-    base = model_provider_for(model_config, FsdpConfig())(ctx, None).model
+    base = build_model(model_config, ctx, FsdpConfig()).model
     load_model_weights(base_ckpt, base)
     assert not torch.allclose(token_losses(base, ids), restored_losses, atol=1e-2)  # the adapters were restored
 

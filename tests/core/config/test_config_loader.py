@@ -3,9 +3,9 @@
 from pathlib import Path
 
 import pytest
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
-from d9d.core.config import apply_overrides, dump_config, load_config, parse_override
+from d9d.core.config import ConfigError, apply_overrides, dump_config, load_config, parse_override
 from d9d.core.loop import TrainerConfig
 
 
@@ -43,9 +43,20 @@ def test_overrides_are_typed_like_yaml_and_create_nested_mappings(tmp_path):
     assert parse_override("a.b.c=null") == (["a", "b", "c"], None)
 
 
-def test_unknown_keys_are_rejected_naming_the_field():
-    with pytest.raises(ValidationError, match=r"inner\.lrr"):
+def test_unknown_keys_are_rejected_naming_the_field_and_the_valid_ones():
+    with pytest.raises(
+        ConfigError, match=r"unknown --set key 'inner\.lrr': inner has no field 'lrr'; valid fields: lr"
+    ):
         load_config(Outer, None, ["steps=1", "inner.lrr=1"])
+
+
+def test_a_file_is_merged_over_defaults_and_a_bad_value_names_key_value_and_source(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("inner:\n  names: [x]\n")
+    config = load_config(Outer, path, defaults={"steps": 2, "inner": {"lr": 0.5}})
+    assert config == Outer(steps=2, inner=Inner(lr=0.5, names=["x"]))
+    with pytest.raises(ConfigError, match=r"invalid config \(from c\.yaml and --set\):\n  steps = 'many'"):
+        load_config(Outer, path, ["steps=many"], source="c.yaml and --set")
 
 
 def test_override_through_a_scalar_and_malformed_overrides_fail_clearly():
@@ -53,11 +64,11 @@ def test_override_through_a_scalar_and_malformed_overrides_fail_clearly():
         apply_overrides({"steps": 1}, ["steps.x=2"])
     with pytest.raises(ValueError, match=r"expected the form key\.path=value"):
         parse_override("steps")
-    with pytest.raises(ValueError, match=r"unknown suffix '\.ini'"):
+    with pytest.raises(ConfigError, match=r"config file x\.ini does not exist"):
         load_config(Outer, Path("x.ini"))
 
 
-@pytest.mark.parametrize("suffix", [".yaml", ".json", ".toml"])
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
 def test_dump_then_load_round_trips(tmp_path, suffix):
     config = Outer(steps=5, inner=Inner(lr=0.25, names=["x"]))
     assert load_config(Outer, dump_config(config, tmp_path / f"dump{suffix}")) == config
@@ -69,5 +80,5 @@ def test_trainer_config_checks_the_batch_against_the_data_parallel_size():
     assert config.microbatches_per_step(3) == 2
     with pytest.raises(ValueError, match="over 4 data-parallel ranks; make it a multiple of 8"):
         config.microbatches_per_step(4)
-    with pytest.raises(ValidationError, match="not a multiple of microbatch_rows=5"):
+    with pytest.raises(ConfigError, match="not a multiple of microbatch_rows=5"):
         load_config(TrainerConfig, None, ["total_steps=1", "global_batch_rows=12", "microbatch_rows=5"])

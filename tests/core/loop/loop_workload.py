@@ -19,6 +19,7 @@ from d9d.core.loop import (
     BuiltModel,
     CheckpointingConfig,
     EventBus,
+    ForwardBackwardFinished,
     LossResult,
     ModelLoader,
     SyntheticTokenSource,
@@ -34,6 +35,7 @@ from d9d.kernels.attention import EagerAttentionConfig
 from d9d.kernels.grouped_mm import EagerGroupedMmConfig
 from d9d.metrics.trackers import JsonlTracker
 from d9d.models import DecoderConfig, materialize_
+from d9d.models.blocks.moe import moe_bias_balancer
 from d9d.models.qwen3 import (
     Qwen3DenseForCausalLM,
     Qwen3MoeForCausalLM,
@@ -82,22 +84,6 @@ def build_tiny(family: str) -> nn.Module:
         return Qwen3DenseForCausalLM(qwen3_dense_parameters_from_hf(DENSE_HF), config=EAGER)
 
 
-class MoeBiasBalancer:
-    """Auxiliary-loss-free balancing for d9d.models' MoE layers (found by their `tokens_per_expert` buffer)."""
-
-    def __init__(self, model: nn.Module, rate: float) -> None:
-        self._layers = {name: module for name, module in model.named_modules() if hasattr(module, "tokens_per_expert")}
-        self._rate = rate
-
-    def local_loads(self) -> dict[str, torch.Tensor]:
-        return {name: layer.tokens_per_expert.clone() for name, layer in self._layers.items()}
-
-    def apply(self, global_loads) -> None:
-        for name, layer in self._layers.items():
-            layer.router.update_expert_bias_(global_loads[name], self._rate)
-            layer.reset_load()
-
-
 class CausalLMTask:
     """Labels are already shifted; the model returns per-token losses (0 where ignored)."""
 
@@ -134,8 +120,8 @@ class TinyModelProvider:
         materialize_(model, ctx.device)
         if loader is not None:
             loader(model)
-        balancer = MoeBiasBalancer(model, BIAS_RATE) if self.family == "moe_bias" else None
-        return BuiltModel(model=model, gradient_sync=sync, load_balancer=balancer)
+        balancer = moe_bias_balancer(model, BIAS_RATE) if self.family == "moe_bias" else None
+        return BuiltModel(model=model, gradient_sync=sync, subscribers=(balancer,) if balancer else ())
 
 
 def optimizer_provider(model: nn.Module) -> Optimizer:
@@ -220,7 +206,7 @@ def reference_losses(family: str, *, total_steps: int, global_rows: int = 8, dev
     materialize_(model, device)
     optimizer = optimizer_provider(model)
     scheduler = lr_provider(optimizer, total_steps)
-    balancer = MoeBiasBalancer(model, BIAS_RATE) if family == "moe_bias" else None
+    balancer = moe_bias_balancer(model, BIAS_RATE) if family == "moe_bias" else None
     losses = []
     for step in range(total_steps):
         batch = synthetic_global_batch(
@@ -231,7 +217,7 @@ def reference_losses(family: str, *, total_steps: int, global_rows: int = 8, dev
         loss = model(batch.input_ids.to(device), labels=batch.labels.to(device)).losses.sum() / count.to(device)
         loss.backward()
         if balancer is not None:
-            balancer.apply(balancer.local_loads())
+            balancer.balance(ForwardBackwardFinished(step=step + 1, num_microbatches=1))  # one process: no reduce
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         optimizer.step()
         scheduler.step()

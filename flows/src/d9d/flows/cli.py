@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -15,7 +16,6 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any
 
 import yaml
 
@@ -29,19 +29,12 @@ from d9d.flows.jobs.contract import (
     StageResult,
 )
 from d9d.flows.jobs.convert import add_convert_command, run_convert_command
-from d9d.flows.jobs.data_prep import CorpusError, SplitError, TokenizerError, preflight
+from d9d.flows.jobs.data_prep import CorpusError, SplitError, TokenizerError
 from d9d.flows.jobs.launch import LaunchCancelled
 from d9d.flows.jobs.loading import JobConfigError, load_job_config
-from d9d.flows.jobs.preflight import (
-    PreflightError,
-    preflight_evaluate,
-    preflight_finetune,
-    preflight_finetune_data,
-    preflight_pretrain,
-    require_inputs,
-)
 from d9d.flows.jobs.presets import describe_presets
-from d9d.flows.jobs.stage_names import PIPELINE, STAGE_SECTIONS
+from d9d.flows.jobs.stage_spec import PreflightError
+from d9d.flows.jobs.stages import PIPELINE, STAGES, preflight
 from d9d.flows.jobs.verify import add_verify_command, run_verify_command
 
 EXIT_FAILED = 1
@@ -69,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=f"presets:\n{describe_presets()}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    run.add_argument("target", choices=["pipeline", *STAGE_SECTIONS], help="pipeline, or a stage name")
+    run.add_argument("target", choices=["pipeline", *STAGES], help="pipeline, or a stage name")
     _config_arguments(run)
     show = commands.add_parser("show-config", help="print the job config that a run would use, as YAML")
     _config_arguments(show)
@@ -106,52 +99,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stdout.write(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
             return 0
         stages = PIPELINE if args.target == "pipeline" else (args.target,)
-        _preflight(config, stages)
+        preflight(config, stages)
     except INPUT_ERRORS as error:
         sys.stderr.write(f"d9d: error: {error}\n")
         return EXIT_BAD_INPUT
     return _run(args.target, config, source=args.preset or str(args.config or "defaults"))
 
 
-def _preflight(config: JobConfig, stages: Sequence[str]) -> None:
-    for stage in stages:
-        StageDirectory(_stage_output(config, stage), replace=config.replace_outputs).refuse_foreign()
-        match stage:
-            case "data-prep":
-                preflight(config.data_prep, config.data_prep_output)
-            case "finetune-data":
-                preflight_finetune_data(config)
-                require_inputs(config, stage, stages)
-            case "convert":
-                source = config.convert.source
-                if source is not None and not source.is_dir():
-                    raise JobConfigError(
-                        f"convert.source={source} is not a checkpoint directory; point it at a directory of "
-                        "*.safetensors files, or leave it unset to convert a random model of pretrain.model's shape."
-                    )
-            case "pretrain":
-                preflight_pretrain(config)
-                require_inputs(config, stage, stages)
-            case "finetune":
-                preflight_finetune(config)
-                require_inputs(config, stage, stages)
-            case "evaluate":
-                preflight_evaluate(config)
-                require_inputs(config, stage, stages)
-            case _:
-                raise AssertionError(f"stage {stage!r} has no preflight")
-
-
 def _stage_output(config: JobConfig, stage: str) -> Path:
-    outputs = {
-        "data-prep": config.data_prep_output,
-        "finetune-data": config.finetune_data_output,
-        "convert": config.convert_output,
-        "pretrain": config.pretrain_output,
-        "finetune": config.finetune_output,
-        "evaluate": config.evaluate_output,
-    }
-    return outputs[stage]
+    return STAGES[stage].output(config)
 
 
 @contextlib.contextmanager
@@ -214,15 +170,15 @@ def _run(target: str, config: JobConfig, *, source: str) -> int:
 
     from d9d.flows.console import TerminalProgress, set_progress
     from d9d.flows.pipeline import pipeline_flow
-    from d9d.flows.stages import STAGES
+    from d9d.flows.stage_flow import with_retries
 
-    job: dict[str, Any] = config.model_dump(mode="json")
-    flow = pipeline_flow if target == "pipeline" else STAGES[target].with_retries(config)
+    flow = pipeline_flow if target == "pipeline" else with_retries(target, config)
+    quiet_failures_on_the_console()
     set_progress(TerminalProgress())
     previous_sigterm = signal.signal(signal.SIGTERM, _terminated)
     try:
         with _api(prefect_target.mode):
-            state = flow(job, return_state=True)
+            state = flow(config, return_state=True)  # the validated config itself: no second validation here
     except KeyboardInterrupt as interrupt:
         name = "SIGTERM" if isinstance(interrupt, Terminated) else "SIGINT"
         say(_interrupted_line(name, config))
@@ -243,6 +199,7 @@ def _run(target: str, config: JobConfig, *, source: str) -> int:
         say(
             f"d9d: {target} failed after {seconds:.1f} s: {error}\n"
             "d9d: finished work is kept; fix the cause and run the same command to continue from where it failed\n"
+            f"d9d: {flow_run_pointer(state.state_details.flow_run_id)}\n"
         )
         return EXIT_FAILED
     returned = state.result()
@@ -251,8 +208,39 @@ def _run(target: str, config: JobConfig, *, source: str) -> int:
     from d9d.flows.console import format_summary
 
     sys.stdout.write(format_summary(results, seconds=seconds, target=prefect_target.description) + "\n")
-    sys.stdout.write(f"d9d: Prefect flow run {state.state_details.flow_run_id}\n")
+    sys.stdout.write(f"d9d: {flow_run_pointer(state.state_details.flow_run_id)}\n")
     return 0
+
+
+class _NoRunTracebacks(logging.Filter):
+    """Drops flow and task runs' error records (Prefect's "Encountered exception" tracebacks) from the console: `d9d`
+    prints the cause itself, in one message. The Prefect API still receives them (its handler has no such filter)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        run_logger = record.name.startswith(("prefect.flow_runs", "prefect.task_runs"))
+        return not (run_logger and record.levelno >= logging.ERROR)
+
+
+def quiet_failures_on_the_console() -> None:
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    for logger in (logging.getLogger("prefect"), logging.getLogger()):
+        for handler in logger.handlers:
+            if isinstance(handler, PrefectConsoleHandler) and not any(
+                isinstance(existing, _NoRunTracebacks) for existing in handler.filters
+            ):
+                handler.addFilter(_NoRunTracebacks())
+
+
+def flow_run_pointer(flow_run_id: object) -> str:
+    """How to see the flow run: its page in the Prefect UI of a configured server, else the command that shows it
+    from the embedded database."""
+    api = os.environ.get("PREFECT_API_URL", "")
+    if api:
+        ui = api.rstrip("/").removesuffix("/api")
+        return f"Prefect flow run {flow_run_id}: {ui}/runs/flow-run/{flow_run_id}"
+    home = os.environ.get("PREFECT_HOME", "")
+    return f"Prefect flow run {flow_run_id}; to see it: PREFECT_HOME={home} prefect flow-run inspect {flow_run_id}"
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import IO, Any
 
 from d9d.flows.jobs.contract import StageResult
-from d9d.flows.jobs.progress import Progress
+from d9d.flows.jobs.progress import Progress, rate
 
 
 class _Display:
@@ -50,15 +50,23 @@ class TerminalProgress:
             from rich.progress import (
                 BarColumn,
                 DownloadColumn,
+                MofNCompleteColumn,
                 TextColumn,
                 TimeElapsedColumn,
+                TimeRemainingColumn,
                 TransferSpeedColumn,
             )
             from rich.progress import Progress as RichProgress
 
             columns = [TextColumn("  {task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn()]
-            if unit != "B":
-                columns = [TextColumn("  {task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%")]
+            if unit != "B":  # e.g. "pretrain ━━━━━ 120/400 steps 0:00:31 eta 0:01:12"
+                columns = [
+                    TextColumn("  {task.description}"),
+                    BarColumn(),
+                    MofNCompleteColumn(),
+                    TextColumn(unit),
+                    TimeRemainingColumn(),
+                ]
             self._bar = RichProgress(
                 *columns,
                 TimeElapsedColumn(),
@@ -77,15 +85,22 @@ class TerminalProgress:
         if self._done >= self._next or self._done >= self._total:
             self._next = self._done + self._total / 10
             share = 100.0 * self._done / self._total if self._total else 100.0
-            self._write(f"  {self._description}: {share:3.0f}%{f' ({note})' if note else ''}")
+            eta = ""
+            if 0 < self._done < self._total:
+                left = (time.perf_counter() - self._started) * (self._total - self._done) / self._done
+                eta = f", about {left:.0f} s left"
+            counted = "" if self._unit == "B" else f" {self._done:.0f}/{self._total:.0f} {self._unit}"
+            self._write(f"  {self._description}: {share:3.0f}%{counted}{eta}{f' ({note})' if note else ''}")
 
-    def finish(self) -> None:
+    def finish(self, *, failed: bool = False) -> None:
         if self._bar is not None:
             self._bar.stop()
             self._bar = None
-        rate = self._done / max(time.perf_counter() - self._started, 1e-9)
-        shown = f"{rate / 1e6:.2f} MB/s" if self._unit == "B" else f"{rate:.1f} {self._unit}/s"
-        self._write(f"  {self._description}: done in {time.perf_counter() - self._started:.1f} s ({shown})")
+        seconds = time.perf_counter() - self._started
+        if failed:  # an error or a signal stopped it: say how far it got, not "done"
+            self._write(f"  {self._description}: stopped after {seconds:.1f} s ({self._done:.0f} of {self._total:.0f})")
+            return
+        self._write(f"  {self._description}: done in {seconds:.1f} s ({rate(self._done, seconds, self._unit)})")
 
     def _write(self, line: str) -> None:
         self._stream.write(line + "\n")

@@ -6,13 +6,12 @@ from typing import Any
 
 from prefect import flow
 
-from d9d.flows.jobs.config import JobConfig
-from d9d.flows.stages import PIPELINE, STAGES
+from d9d.flows.jobs.stages import PIPELINE
+from d9d.flows.stage_flow import JobParameter, job_config, with_retries
 
 
 @flow(name="pipeline", persist_result=False, validate_parameters=False)
-def pipeline_flow(job: dict[str, Any]) -> dict[str, Any]:
+def pipeline_flow(job: JobParameter) -> dict[str, Any]:
     """Run the pipeline's stages in order; a failed stage stops it, and a later run resumes at that stage."""
-    config = JobConfig.model_validate(job)
-    results = [STAGES[name].with_retries(config)(job) for name in PIPELINE]
-    return {"stages": results}
+    config = job_config(job)
+    return {"stages": [with_retries(name, config)(config) for name in PIPELINE]}

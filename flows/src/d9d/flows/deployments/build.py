@@ -1,6 +1,6 @@
 """A deployment entry to a Prefect `RunnerDeployment`: the flow by name, the job config resolved, cron schedules.
 
-Entrypoints are module paths (`d9d.flows.stages.convert.convert_flow`), so a worker or runner imports the flow
+Entrypoints are module paths (`d9d.flows.stage_flow.convert_flow`), so a worker or runner imports the flow
 from the installed d9d-flows: nothing is pulled from storage or built into an image at deploy time.
 """
 
@@ -16,16 +16,16 @@ if TYPE_CHECKING:
     from prefect.deployments.runner import RunnerDeployment
 
 
-def flow_named(name: str) -> Flow[[dict[str, Any]], dict[str, Any]]:
+def flow_named(name: str) -> Flow[[Any], dict[str, Any]]:
     """The pipeline flow or a stage's flow by its command-line name."""
     from d9d.flows.pipeline import pipeline_flow
-    from d9d.flows.stages import STAGES
+    from d9d.flows.stage_flow import FLOWS
 
     if name == "pipeline":
         return pipeline_flow
-    if name in STAGES:
-        return STAGES[name].flow
-    raise DeployConfigError(f"flow = {name!r} is not a d9d flow; valid: pipeline, {', '.join(STAGES)}")
+    if name in FLOWS:
+        return FLOWS[name]
+    raise DeployConfigError(f"flow = {name!r} is not a d9d flow; valid: pipeline, {', '.join(FLOWS)}")
 
 
 def job_parameters(deployment: DeploymentConfig) -> dict[str, Any]:

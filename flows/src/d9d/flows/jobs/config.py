@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from d9d.flows.jobs.convert.config import ConvertConfig
 from d9d.flows.jobs.data_prep.config import DataPrepConfig, FilesCorpus, FileTokenizer
-from d9d.flows.jobs.evaluate.stage import EvaluateInputs, EvaluateStageConfig
+from d9d.flows.jobs.evaluate.config import EvaluateStageConfig
+from d9d.flows.jobs.evaluate.stage import EvaluateInputs
+from d9d.flows.jobs.finetune.config import FinetuneStageConfig
 from d9d.flows.jobs.finetune.data import FinetuneDataConfig
-from d9d.flows.jobs.finetune.stage import FinetuneStageConfig
-from d9d.flows.jobs.pretrain.stage import PretrainStageConfig, tracker_config
+from d9d.flows.jobs.finetune.stage import inputs_of as finetune_inputs
+from d9d.flows.jobs.pretrain.config import PretrainStageConfig
+from d9d.flows.jobs.pretrain.stage import tracker_config
 from d9d.metrics.trackers import AnyTrackerConfig
 
 
@@ -33,6 +37,14 @@ class JobConfig(BaseModel):
     pretrain: PretrainStageConfig = Field(default_factory=PretrainStageConfig)
     finetune: FinetuneStageConfig = Field(default_factory=FinetuneStageConfig)
     evaluate: EvaluateStageConfig = Field(default_factory=EvaluateStageConfig)
+
+    @field_validator("workdir", mode="before")
+    @classmethod
+    def _not_empty(cls, value: Any) -> Any:
+        """`--set workdir=` would otherwise mean the current directory, silently."""
+        if value is None or (isinstance(value, str) and not value.strip()):
+            raise ValueError("workdir is empty; name a directory for the stage outputs, e.g. --set workdir=runs/mine")
+        return value
 
     @property
     def data_prep_output(self) -> Path:
@@ -74,6 +86,7 @@ class JobConfig(BaseModel):
             pretrain_seq_len=self.pretrain.seq_len,
             convert_output=self.convert_output,
             finetune_output=self.finetune_output if finetune else None,
+            finetune_model=finetune_inputs(self).model if finetune else None,
             finetune_validation_shards=self.finetune_data_output / "validation" if finetune else None,
             tracker=self.pretrain_tracker,
         )
@@ -132,6 +145,7 @@ class JobConfig(BaseModel):
             update={
                 "output": _absolute(self.finetune.output, base) if self.finetune.output else workdir / "finetune",
                 "tracker": _absolute_tracker(self.finetune.tracker, base),
+                "base": _absolute(self.finetune.base, base) if self.finetune.base is not None else None,
             }
         )
         evaluate = self.evaluate.model_copy(

@@ -8,7 +8,8 @@ from typing import Protocol
 
 
 class Progress(Protocol):
-    """One task's progress: `start` once with the total, `advance` as units finish, `finish` at the end.
+    """One task's progress: `start` once with the total, `advance` as units finish, `finish` at the end
+    (`failed=True` when the work stopped on an error or a signal: no "done" is reported then).
 
     `note` reports a step that has no amount (what a stage decided, what it reuses).
     """
@@ -19,7 +20,7 @@ class Progress(Protocol):
 
     def advance(self, amount: float, note: str = "") -> None: ...
 
-    def finish(self) -> None: ...
+    def finish(self, *, failed: bool = False) -> None: ...
 
 
 class LogProgress:
@@ -60,8 +61,15 @@ class LogProgress:
                 f", {note}" if note else "",
             )
 
-    def finish(self) -> None:
-        self._logger.info("%s: done in %.1f s", self._description, time.perf_counter() - self._started)
+    def finish(self, *, failed: bool = False) -> None:
+        seconds = time.perf_counter() - self._started
+        if failed:
+            self._logger.info("%s: stopped after %.1f s (%s of %s %s)", self._description, seconds,
+                              _amount(self._done), _amount(self._total), self._unit)  # fmt: skip
+        else:
+            self._logger.info(
+                "%s: done in %.1f s (%s)", self._description, seconds, rate(self._done, seconds, self._unit)
+            )
 
 
 class NoProgress:
@@ -74,7 +82,7 @@ class NoProgress:
     def advance(self, amount: float, note: str = "") -> None:
         pass
 
-    def finish(self) -> None:
+    def finish(self, *, failed: bool = False) -> None:
         pass
 
 
@@ -83,3 +91,13 @@ def _amount(value: float) -> str:
         if abs(value) >= limit:
             return f"{value / limit:.1f}{suffix}"
     return f"{value:.0f}"
+
+
+def rate(done: float, seconds: float, unit: str) -> str:
+    """How fast, readable at any speed: `12.3 steps/s`, or `4.2 s/evaluation` below one per second."""
+    if unit == "B":
+        return f"{done / max(seconds, 1e-9) / 1e6:.2f} MB/s"
+    per_second = done / max(seconds, 1e-9)
+    if per_second >= 1 or done == 0:
+        return f"{per_second:.1f} {unit}/s"
+    return f"{seconds / done:.1f} s/{unit.removesuffix('s')}"

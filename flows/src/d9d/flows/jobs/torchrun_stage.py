@@ -1,5 +1,5 @@
-"""What the training stages (pretrain, fine-tune) share: where and how wide they run under `torchrun`, and the launch
-of their rank program with its progress turned into a losses file."""
+"""What the launched stages share: their section's base (`LaunchedStageConfig`, `TrainingStageConfig`), and the
+launch of a training rank program with its progress turned into a losses file."""
 
 from __future__ import annotations
 
@@ -9,37 +9,33 @@ import os
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
-from d9d.core.dist import MeshDegrees
 from d9d.core.loop import CheckpointingConfig, TrainerConfig
-from d9d.core.lr import AnyLRScheduleConfig, ConstantScheduleConfig
+from d9d.core.lr import AnyLRScheduleConfig, ConstantScheduleConfig, build_lr_schedule
 from d9d.core.optim import AdamWConfig, AnyOptimizerConfig
 from d9d.flows.jobs.launch import LaunchSpec, launch
 from d9d.flows.jobs.progress import Progress
+from d9d.flows.jobs.rank_failure import rank_errors
+from d9d.flows.jobs.stage_spec import PreflightError
+from d9d.flows.jobs.topology import RankTopology
 from d9d.metrics.trackers import AnyTrackerConfig
-from d9d.parallel import AnyDataParallelConfig, FsdpConfig
 
 JOB_FILE = "job.yaml"
 LOSSES_FILE = "losses.jsonl"
 LOG_FILE = "launch.log"
+KEY_FIELDS_SINCE_0009 = frozenset({"base", "base_mapping", "export_hf_peft"})
 _TAIL_BYTES = 4096  # longer than any loss record
 
 
-class TorchrunStageSettings(BaseModel):
-    """How many ranks, where, how patiently, and where to: the settings of a training stage that do not change what
-    is trained, so none of them is in its key (a checkpoint resumes on another data-parallel size with the same
-    global batch)."""
+class LaunchedStageConfig(RankTopology):
+    """A stage that runs a rank program under `torchrun`: its topology (`RankTopology`) and how patiently, where to
+    and with which tracker. None of these changes what is computed, so none is in the stage's key (a checkpoint
+    resumes on another data-parallel size with the same global batch)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    nproc_per_node: int = Field(default=2, ge=1, description="local ranks under torchrun (gloo on CPU, NCCL on GPUs)")
-    degrees: MeshDegrees = Field(default_factory=lambda: MeshDegrees(dp_shard=-1))
-    data_parallel: AnyDataParallelConfig = Field(default_factory=FsdpConfig)
-    device: Literal["auto", "cpu", "cuda"] = "auto"
     # Below the 30 s a Prefect runner waits before it SIGKILLs a cancelled flow-run process (and with it the launcher).
     grace_seconds: float = Field(default=25.0, gt=0, description="after SIGTERM on cancel, before SIGKILL")
     tracker: AnyTrackerConfig | None = Field(
@@ -50,11 +46,17 @@ class TorchrunStageSettings(BaseModel):
     retry_delay_seconds: float = Field(default=10.0, ge=0)
 
     def key_config(self) -> dict[str, Any]:
-        """The settings that change what is trained: every field but the ones above."""
-        return self.model_dump(mode="json", exclude=set(TorchrunStageSettings.model_fields))
+        """The fields that change what is computed: every field but the ones above. Fields added since a stage's
+        first release (`KEY_FIELDS_SINCE_0009`) count only when set, so outputs committed before them stay valid."""
+        key = self.model_dump(mode="json", exclude=set(LaunchedStageConfig.model_fields))
+        defaults = type(self).model_fields
+        for name in KEY_FIELDS_SINCE_0009 & key.keys():
+            if getattr(self, name) == defaults[name].get_default(call_default_factory=True):
+                del key[name]
+        return key
 
 
-class TrainingLoopSettings(TorchrunStageSettings):
+class TrainingStageConfig(LaunchedStageConfig):
     """The loop of a training stage (in its key): steps, batch, checkpoints, clipping, seeds, optimizer and schedule.
     A stage redeclares a field to change its default (fine-tuning trains fewer steps at a higher learning rate)."""
 
@@ -85,6 +87,27 @@ class TrainingLoopSettings(TorchrunStageSettings):
             ),
         )
 
+    def check_batch(self, section: str) -> None:
+        """The global batch splits into micro-batches over the data-parallel ranks (when that size is known)."""
+        dp = self.data_parallel_size()
+        if dp is not None and self.global_batch_rows % (dp * self.microbatch_rows):
+            raise PreflightError(
+                f"{section}.global_batch_rows={self.global_batch_rows} cannot be split into micro-batches of "
+                f"{section}.microbatch_rows={self.microbatch_rows} over {section}.nproc_per_node={self.nproc_per_node} "
+                f"ranks; make it a multiple of {dp * self.microbatch_rows}"
+            )
+
+    def check_schedule(self, section: str) -> None:
+        """The LR schedule resolves for `steps` steps (what the rank program does first; e.g. a warm-up longer
+        than the run fails here, before any process starts)."""
+        try:
+            build_lr_schedule(self.lr_schedule, self.steps)
+        except ValueError as error:
+            raise PreflightError(
+                f"{section}.lr_schedule does not fit {section}.steps={self.steps}: {error}; raise {section}.steps "
+                f"or shorten the schedule's phases (--set {section}.lr_schedule.kind=constant drops it)"
+            ) from error
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrainingRun:
@@ -97,7 +120,7 @@ class TrainingRun:
 
 
 def launch_training(
-    module: str, job: BaseModel, settings: TorchrunStageSettings, root: Path, progress: Progress, *, name: str
+    module: str, job: BaseModel, settings: LaunchedStageConfig, root: Path, progress: Progress, *, name: str
 ) -> TrainingRun:
     """Write `job` to `root/job.yaml` and run `module` on it on `nproc_per_node` ranks, logging into `root`."""
     job_file = root / JOB_FILE
@@ -111,10 +134,13 @@ def launch_training(
     )
     tracker = StepTracker(root / LOSSES_FILE, progress, name=name)
     started = datetime.now(UTC)
+    failed = True
     try:
-        launch(spec, on_progress=tracker)
+        with rank_errors(spec.log_file, lambda cause: f"{name}: a rank failed:\n{cause}"):
+            launch(spec, on_progress=tracker)
+        failed = False
     finally:
-        progress.finish()
+        progress.finish(failed=failed)
     losses = read_losses(root / LOSSES_FILE)
     require_finite_last_loss(losses, name=name)
     return TrainingRun(losses=losses, resumed_from=tracker.resumed_from, started=started)

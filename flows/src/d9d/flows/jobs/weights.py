@@ -6,6 +6,7 @@ each tensor to the module's dtype as it streams (d9d-states checks shapes and na
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -15,8 +16,8 @@ from d9d.states import LoadReport, load_model_state
 from d9d.states.mapper import CastDtype, Identity, ModelStateMapper, Parallel
 
 
-def load_converted_weights(source: Path, model: nn.Module) -> LoadReport:
-    targets = model.state_dict()
+def casting_mapper(targets: Mapping[str, torch.Tensor]) -> ModelStateMapper:
+    """Each of `targets`' names, cast to its tensor's dtype (integer tensors pass unchanged)."""
     by_dtype: dict[torch.dtype, list[str]] = {}
     for name, tensor in targets.items():
         by_dtype.setdefault(tensor.dtype, []).append(name)
@@ -26,5 +27,8 @@ def load_converted_weights(source: Path, model: nn.Module) -> LoadReport:
     others = [name for dtype, names in by_dtype.items() if not dtype.is_floating_point for name in names]
     if others:
         casts.append(Identity(others))
-    mapper = casts[0] if len(casts) == 1 else Parallel(casts)
-    return load_model_state(source, model, mapper)
+    return casts[0] if len(casts) == 1 else Parallel(casts)
+
+
+def load_converted_weights(source: Path, model: nn.Module) -> LoadReport:
+    return load_model_state(source, model, casting_mapper(model.state_dict()))

@@ -1,154 +1,137 @@
-"""Named checkpoint conversions (`d9d convert --list`): a mapping factory per name, plus the config translation.
+"""The model catalogue: which models d9d builds, chosen by `kind`, and the `parameters.json` that names one.
 
-Each factory reads a checkpoint's tensor names and shapes (layers, experts, expert layout, tied embeddings) and
-builds the d9d-states mapper, so a conversion needs no model code to run and no config for the tensors. The config
-hook, when the source directory has one, writes the destination's: Hugging Face `config.json` <-> d9d
-`parameters.json` (the model's `*Parameters`).
+`AnyModelConfig` is the discriminated model section of a job (`kind: qwen3_dense | qwen3_moe`, the family's
+`*Parameters`, the `DecoderConfig`); `build_model` turns it into a core `BuiltModel` (meta device -> `prepare`, e.g.
+PEFT injection -> the family's parallel plan -> materialise -> optional load), with the MoE bias balancer
+subscribed to the loop when the model has one. `write_parameters` / `read_parameters` store a model directory's
+shape as `{"kind": ..., **parameters}`, so every model directory d9d writes says what it holds.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
+from typing import Annotated, Any, Literal, assert_never
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
 
-from d9d.models.qwen3.huggingface import (
-    Qwen3MoeExpertsFormat,
-    detect_experts_format,
-    hf_config_from_qwen3_dense,
-    hf_config_from_qwen3_moe,
-    layout_from_names,
-    mapper_from_huggingface_qwen3,
-    mapper_to_huggingface_qwen3,
-    qwen3_dense_parameters_from_hf,
-    qwen3_moe_parameters_from_hf,
-)
+from d9d.core.dist import DistributedContext
+from d9d.core.loop import BuiltModel, EventSubscriber, ModelLoader
+from d9d.models.blocks.late_init import materialize_
+from d9d.models.blocks.moe import aux_loss_weights, moe_bias_balancer
+from d9d.models.config import DecoderConfig
+from d9d.models.qwen3.dense import Qwen3DenseForCausalLM
+from d9d.models.qwen3.moe import Qwen3MoeForCausalLM
+from d9d.models.qwen3.parallelize import parallelize_qwen3_dense, parallelize_qwen3_moe
 from d9d.models.qwen3.params import Qwen3DenseParameters, Qwen3MoeParameters
-from d9d.states import MappingError, ModelStateMapper, TensorMeta
+from d9d.models.qwen3.tensor_parallel import TensorParallelConfig
+from d9d.parallel import AnyDataParallelConfig
 
-HF_CONFIG = "config.json"
-D9D_PARAMETERS = "parameters.json"
-
-MappingFactory = Callable[[Mapping[str, TensorMeta]], ModelStateMapper]
-
-
-@dataclass(frozen=True, kw_only=True)
-class NamedMapping:
-    name: str
-    description: str
-    factory: MappingFactory
-    convert_config: Callable[[Path, Path, torch.dtype | None], None]
+PARAMETERS_FILE = "parameters.json"
+ModelKind = Literal["qwen3_dense", "qwen3_moe"]
+AnyModelParameters = Qwen3DenseParameters | Qwen3MoeParameters
 
 
-def _require_family(metas: Mapping[str, TensorMeta], *, moe: bool, d9d_names: bool, name: str) -> None:
-    router = "mlp.router.weight" if d9d_names else "mlp.gate.weight"
-    has_moe = any(key.endswith(router) for key in metas)
-    if has_moe != moe:
-        other = name.replace("qwen3-moe-", "qwen3-") if has_moe is False else name.replace("qwen3-", "qwen3-moe-")
-        found = "MoE layers" if has_moe else "no MoE layers"
-        raise MappingError(f"mapping {name!r}: the checkpoint has {found}; use {other!r}")
+class Qwen3DenseModelConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["qwen3_dense"] = "qwen3_dense"
+    parameters: Qwen3DenseParameters
+    decoder: DecoderConfig = Field(default_factory=DecoderConfig)
 
 
-def _from_hf(name: str, *, moe: bool) -> MappingFactory:
-    def factory(metas: Mapping[str, TensorMeta]) -> ModelStateMapper:
-        _require_family(metas, moe=moe, d9d_names=False, name=name)
-        return mapper_from_huggingface_qwen3(
-            layout_from_names(metas, d9d_names=False),
-            tied_embeddings="lm_head.weight" not in metas,
-            experts_format=detect_experts_format(metas),
-        )
+class Qwen3MoeModelConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
-    return factory
+    kind: Literal["qwen3_moe"] = "qwen3_moe"
+    parameters: Qwen3MoeParameters
+    decoder: DecoderConfig = Field(default_factory=DecoderConfig)
+    expert_bias_rate: float = Field(default=1e-3, ge=0, description="aux-loss-free balancing step (router_expert_bias)")
 
 
-def _to_hf(name: str, *, moe: bool, experts_format: Qwen3MoeExpertsFormat) -> MappingFactory:
-    def factory(metas: Mapping[str, TensorMeta]) -> ModelStateMapper:
-        _require_family(metas, moe=moe, d9d_names=True, name=name)
-        return mapper_to_huggingface_qwen3(layout_from_names(metas, d9d_names=True), experts_format=experts_format)
-
-    return factory
+AnyModelConfig = Annotated[Qwen3DenseModelConfig | Qwen3MoeModelConfig, Field(discriminator="kind")]
 
 
-def _hf_config_to_parameters(*, moe: bool) -> Callable[[Path, Path, torch.dtype | None], None]:
-    def convert(source: Path, destination: Path, dtype: torch.dtype | None) -> None:
-        del dtype
-        config_file = source / HF_CONFIG
-        if not config_file.is_file():
-            return
-        config = json.loads(config_file.read_text())
-        params = qwen3_moe_parameters_from_hf(config) if moe else qwen3_dense_parameters_from_hf(config)
-        (destination / D9D_PARAMETERS).write_text(params.model_dump_json(indent=2) + "\n")
-
-    return convert
-
-
-def _parameters_to_hf_config(*, moe: bool) -> Callable[[Path, Path, torch.dtype | None], None]:
-    def convert(source: Path, destination: Path, dtype: torch.dtype | None) -> None:
-        parameters_file = source / D9D_PARAMETERS
-        if not parameters_file.is_file():
-            return
-        raw = parameters_file.read_text()
-        dtype = dtype or torch.bfloat16
-        config = (
-            hf_config_from_qwen3_moe(Qwen3MoeParameters.model_validate_json(raw), dtype=dtype)
-            if moe
-            else hf_config_from_qwen3_dense(Qwen3DenseParameters.model_validate_json(raw), dtype=dtype)
-        )
-        (destination / HF_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-
-    return convert
-
-
-def _entries() -> list[NamedMapping]:
-    per_expert, fused = Qwen3MoeExpertsFormat.PER_EXPERT, Qwen3MoeExpertsFormat.FUSED
-    return [
-        NamedMapping(
-            name="qwen3-hf-to-d9d",
-            description="Hugging Face Qwen3 (dense) -> d9d; tied embeddings are untied",
-            factory=_from_hf("qwen3-hf-to-d9d", moe=False),
-            convert_config=_hf_config_to_parameters(moe=False),
-        ),
-        NamedMapping(
-            name="qwen3-d9d-to-hf",
-            description="d9d Qwen3 (dense) -> Hugging Face",
-            factory=_to_hf("qwen3-d9d-to-hf", moe=False, experts_format=per_expert),
-            convert_config=_parameters_to_hf_config(moe=False),
-        ),
-        NamedMapping(
-            name="qwen3-moe-hf-to-d9d",
-            description="Hugging Face Qwen3-MoE (per-expert or fused experts) -> d9d stacked experts",
-            factory=_from_hf("qwen3-moe-hf-to-d9d", moe=True),
-            convert_config=_hf_config_to_parameters(moe=True),
-        ),
-        NamedMapping(
-            name="qwen3-moe-d9d-to-hf",
-            description="d9d Qwen3-MoE -> Hugging Face, one module per expert (published checkpoints)",
-            factory=_to_hf("qwen3-moe-d9d-to-hf", moe=True, experts_format=per_expert),
-            convert_config=_parameters_to_hf_config(moe=True),
-        ),
-        NamedMapping(
-            name="qwen3-moe-d9d-to-hf-fused",
-            description="d9d Qwen3-MoE -> Hugging Face with fused experts (transformers 5 in-memory layout)",
-            factory=_to_hf("qwen3-moe-d9d-to-hf-fused", moe=True, experts_format=fused),
-            convert_config=_parameters_to_hf_config(moe=True),
-        ),
-    ]
+def build_model(
+    config: Qwen3DenseModelConfig | Qwen3MoeModelConfig,
+    ctx: DistributedContext,
+    data_parallel: AnyDataParallelConfig,
+    *,
+    prepare: Callable[[nn.Module], object] | None = None,
+    loader: ModelLoader | None = None,
+    tensor_parallel: TensorParallelConfig | None = None,
+) -> BuiltModel:
+    """The model on `ctx`: built on meta, `prepare`d (e.g. PEFT injection, so the plan shards the adapters too),
+    parallelised by its family's plan (with `tensor_parallel` when the mesh has `tp > 1`), materialised, then filled
+    by `loader` (else its seeded initialisation)."""
+    model: nn.Module
+    subscribers: tuple[EventSubscriber, ...] = ()
+    match config:
+        case Qwen3DenseModelConfig():
+            with torch.device("meta"):
+                model = Qwen3DenseForCausalLM(config.parameters, config=config.decoder)
+            if prepare is not None:
+                prepare(model)
+            sync = parallelize_qwen3_dense(model, ctx, data_parallel, tensor_parallel=tensor_parallel)
+        case Qwen3MoeModelConfig():
+            with torch.device("meta"):
+                model = Qwen3MoeForCausalLM(config.parameters, config=config.decoder)
+            if prepare is not None:
+                prepare(model)
+            sync = parallelize_qwen3_moe(model, ctx, data_parallel, tensor_parallel=tensor_parallel)
+            balancer = moe_bias_balancer(model, config.expert_bias_rate)
+            subscribers = (balancer,) if balancer is not None else ()
+        case _:
+            assert_never(config)
+    materialize_(model, ctx.device)
+    if loader is not None:
+        loader(model)
+    return BuiltModel(model=model, gradient_sync=sync, aux_losses=aux_loss_weights(model), subscribers=subscribers)
 
 
-NAMED_MAPPINGS: dict[str, NamedMapping] = {entry.name: entry for entry in _entries()}
+def model_kind(parameters: AnyModelParameters) -> ModelKind:
+    return "qwen3_moe" if isinstance(parameters, Qwen3MoeParameters) else "qwen3_dense"
 
 
-def named_mapping(name: str) -> NamedMapping:
-    """The mapping called `name`; `KeyError` listing the valid names otherwise."""
-    try:
-        return NAMED_MAPPINGS[name]
-    except KeyError:
-        raise KeyError(f"no mapping named {name!r}; valid: {', '.join(NAMED_MAPPINGS)}") from None
+def write_parameters(directory: Path, parameters: AnyModelParameters) -> Path:
+    """`directory/parameters.json`: the model's kind and its `*Parameters` (what `d9d convert` turns into HF's
+    `config.json`)."""
+    path = directory / PARAMETERS_FILE
+    record = {"kind": model_kind(parameters), **parameters.model_dump(mode="json")}
+    path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    return path
 
 
-def describe_mappings() -> str:
-    width = max(len(name) for name in NAMED_MAPPINGS)
-    return "\n".join(f"  {entry.name:<{width}}  {entry.description}" for entry in NAMED_MAPPINGS.values())
+def read_parameters(directory: Path) -> AnyModelParameters:
+    """The parameters in `directory/parameters.json`. A file written before it recorded `kind` is read by the
+    presence of `num_experts` (the one place that guess remains, for model directories written by d9d 0.1 betas)."""
+    path = directory / PARAMETERS_FILE
+    raw: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    kind = raw.pop("kind", "qwen3_moe" if "num_experts" in raw else "qwen3_dense")
+    match kind:
+        case "qwen3_dense":
+            return Qwen3DenseParameters.model_validate(raw)
+        case "qwen3_moe":
+            return Qwen3MoeParameters.model_validate(raw)
+        case _:
+            raise ValueError(f"{path}: kind={kind!r} is not a model d9d knows; valid: qwen3_dense, qwen3_moe")
+
+
+def model_config_for(parameters: AnyModelParameters, decoder: DecoderConfig | None = None) -> AnyModelConfig:
+    """The model section that builds a model of `parameters` (e.g. read from a checkpoint's `parameters.json`)."""
+    decoder = decoder or DecoderConfig()
+    if isinstance(parameters, Qwen3MoeParameters):
+        return Qwen3MoeModelConfig(parameters=parameters, decoder=decoder)
+    return Qwen3DenseModelConfig(parameters=parameters, decoder=decoder)
+
+
+def __getattr__(name: str) -> Any:
+    # Before 0009 this module held the named conversions; they live in `d9d.models.conversions` now.
+    if name in ("NAMED_MAPPINGS", "named_mapping", "describe_mappings", "NamedMapping"):
+        from d9d.models import conversions
+
+        return getattr(conversions, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""The convert stage: a checkpoint through a named mapping of `d9d.models.catalogue` (no Prefect here)."""
+"""The convert stage: a checkpoint through a named mapping of `d9d.models.conversions` (no Prefect here)."""
 
 from d9d.flows.jobs.convert.command import add_convert_command, run_convert_command
 from d9d.flows.jobs.convert.config import ConvertConfig

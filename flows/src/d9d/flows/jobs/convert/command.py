@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from d9d.models.catalogue import describe_mappings, named_mapping
+from d9d.models.conversions import describe_mappings, named_mapping
 from d9d.states import DEFAULT_SHARD_BYTES, StatesError, convert_checkpoint
 from d9d.states.convert import refuse_overlap
 
@@ -74,6 +74,13 @@ def run_convert_command(args: argparse.Namespace) -> int:
         f"wrote {args.destination} ({len(report.files)} files, {report.bytes_written / 2**20:.1f} MiB) with "
         f"{args.mapping} in {report.seconds:.1f} s\n"
     )
+    if args.mapping.endswith("-to-hf") and not (args.destination / "config.json").is_file():
+        # A d9d model directory written before it recorded its parameters (e.g. an older fine-tune's merged/).
+        sys.stderr.write(
+            f"d9d: note: {args.source} has no parameters.json, so {args.destination} has no config.json and "
+            "transformers cannot load it yet; write the model's parameters there (the job's `pretrain.model."
+            'parameters` as JSON, with "kind") and convert again, or rerun the stage that wrote it\n'
+        )
     return 0
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from d9d.models.catalogue import NAMED_MAPPINGS
+from d9d.models.conversions import NAMED_MAPPINGS
 from d9d.states import DEFAULT_SHARD_BYTES
 
 

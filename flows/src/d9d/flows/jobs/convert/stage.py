@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from d9d.flows.jobs.contract import (
     Completeness,
@@ -19,10 +19,14 @@ from d9d.flows.jobs.contract import (
 )
 from d9d.flows.jobs.convert.config import ConvertConfig
 from d9d.flows.jobs.progress import NoProgress, Progress
-from d9d.models.catalogue import named_mapping
+from d9d.flows.jobs.stage_spec import PreflightError, StageSpec
+from d9d.models.conversions import named_mapping
 from d9d.models.qwen3 import Qwen3DenseParameters, Qwen3MoeParameters
 from d9d.models.random_checkpoint import TINY_QWEN3_MOE, write_random_hf_checkpoint
 from d9d.states import convert_checkpoint
+
+if TYPE_CHECKING:
+    from d9d.flows.jobs.config import JobConfig
 
 STAGE_NAME = "convert"
 STAGE_VERSION = 1
@@ -152,3 +156,41 @@ def convert_model(
         files, statistics = run_convert(plan, partial)
         result = commit(directory, partial, plan, files, statistics)
     return result.with_reason(completeness.reason)
+
+
+def _plan(config: JobConfig, progress: Progress) -> ConvertPlan:
+    """Without a source, a random checkpoint of the pretrain section's architecture (so pretraining starts from
+    the converted weights); then the plan over the source's files."""
+    output, architecture = config.convert_output, config.pretrain.model.parameters
+    source = prepare_source(config.convert, output, progress, architecture=architecture)
+    return plan_convert(config.convert, output, source, architecture=architecture)
+
+
+def preflight(config: JobConfig) -> None:
+    source = config.convert.source
+    if source is not None and not source.is_dir():
+        raise PreflightError(
+            f"convert.source={source} is not a checkpoint directory; point it at a directory of *.safetensors "
+            "files, or leave it unset to convert a random model of pretrain.model's shape."
+        )
+
+
+def _run(plan: ConvertPlan, directory: StageDirectory, progress: Progress) -> StageResult:
+    partial = directory.open_partial(plan.key)
+    files, statistics = run_convert(plan, partial)
+    return commit(directory, partial, plan, files, statistics)
+
+
+SPEC: StageSpec[ConvertPlan] = StageSpec(
+    name=STAGE_NAME,
+    section="convert",
+    summary="a checkpoint through a named mapping into <workdir>/model (a random one of pretrain.model's shape "
+    "when no source is set)",
+    reads=lambda config: {},
+    output=lambda config: config.convert_output,
+    preflight=preflight,
+    plan=_plan,
+    describe=lambda plan: f"running {plan.mapping} on {plan.source}",
+    run=_run,
+    skipped=skipped,
+)

@@ -10,7 +10,7 @@ from d9d.flows.jobs.data_prep.config import (
     TrainBpeTokenizer,
 )
 from d9d.flows.jobs.data_prep.corpus import CorpusError
-from d9d.flows.jobs.data_prep.program import STAGE_NAME, DataPrepPlan, plan_data_prep, preflight, run_data_prep
+from d9d.flows.jobs.data_prep.prepare import STAGE_NAME, DataPrepPlan, plan_data_prep, preflight, run_data_prep
 from d9d.flows.jobs.data_prep.split import SplitError
 from d9d.flows.jobs.data_prep.stage import commit, prepare_data, skipped
 from d9d.flows.jobs.data_prep.tokenizer import TokenizerError

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from d9d.core.data import INDEX_FILENAME, TokenShardFormatError, TokenShardSet
 from d9d.flows.jobs.contract import (
@@ -14,16 +15,21 @@ from d9d.flows.jobs.contract import (
     Status,
 )
 from d9d.flows.jobs.data_prep.config import DataPrepConfig
-from d9d.flows.jobs.data_prep.program import (
+from d9d.flows.jobs.data_prep.prepare import (
     RECORDED_PACKAGES,
     STAGE_NAME,
     TOKENIZER_FILE,
     DataPrepOutcome,
     DataPrepPlan,
     plan_data_prep,
+    preflight,
     run_data_prep,
 )
 from d9d.flows.jobs.progress import NoProgress, Progress
+from d9d.flows.jobs.stage_spec import StageSpec
+
+if TYPE_CHECKING:
+    from d9d.flows.jobs.config import JobConfig
 
 REPORTER = StageReporter(
     STAGE_NAME,
@@ -79,3 +85,27 @@ def prepare_data(
         outcome = run_data_prep(plan, partial, progress=progress)
         result = commit(directory, partial, plan, outcome)
     return result.with_reason(completeness.reason)
+
+
+def run_stage(plan: DataPrepPlan, directory: StageDirectory, progress: Progress) -> StageResult:
+    """Tokenize into the directory's partial directory (reusing what an earlier attempt finished) and commit."""
+    partial = directory.open_partial(plan.key)
+    return commit(directory, partial, plan, run_data_prep(plan, partial, progress=progress))
+
+
+def _preflight(config: JobConfig) -> None:
+    preflight(config.data_prep, config.data_prep_output)
+
+
+SPEC: StageSpec[DataPrepPlan] = StageSpec(
+    name=STAGE_NAME,
+    section="data_prep",
+    summary="raw text to a tokenizer and train/validation token shards under <workdir>/data",
+    reads=lambda config: {},
+    output=lambda config: config.data_prep_output,
+    preflight=_preflight,
+    plan=lambda config, progress: plan_data_prep(config.data_prep, config.data_prep_output),
+    check=check,
+    run=run_stage,
+    skipped=skipped,
+)

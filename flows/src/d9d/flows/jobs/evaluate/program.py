@@ -16,56 +16,26 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Literal
-
-from pydantic import BaseModel, ConfigDict, Field
 
 from d9d.core.checkpoint import latest_complete, load_model_weights
 from d9d.core.config import load_config
-from d9d.core.data import DataParallelLoader, PackedTokenDataset, SequentialOrder, TokenShardIndex, collate_packed
+from d9d.core.data import PackedTokenDataset, TokenShardIndex
+from d9d.core.data.loader_config import SequentialOrderConfig
 from d9d.core.determinism import seed_everything
-from d9d.core.dist import DistributedContext, MeshDegrees
-from d9d.core.dist.domains import MeshDomain
+from d9d.core.dist import DistributedContext
 from d9d.core.loop import Inference, LoaderDataSource
 from d9d.core.loop.trainer import TRAINER_STATE_FILE
+from d9d.flows.jobs.evaluate.config import EvaluateConfig, EvaluateSuiteConfig
 from d9d.flows.jobs.launch import emit_progress, prepare_rank
-from d9d.flows.jobs.pretrain.config import AnyModelConfig
-from d9d.flows.jobs.pretrain.program import PackedCausalLMTask, model_provider_for
+from d9d.flows.jobs.rank_wiring import PackedCausalLMTask, data_parallel_size, packed_loader
 from d9d.flows.jobs.weights import load_converted_weights
-from d9d.metrics.trackers import AnyTrackerConfig, NoTrackerConfig, build_tracker
-from d9d.parallel import AnyDataParallelConfig, FsdpConfig
-
-
-class EvaluateConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    model: AnyModelConfig
-    shards: Path = Field(description="held-out token-shard set (the data-prep stage's validation split)")
-    seq_len: int = Field(gt=0)
-    rows_per_step: int = Field(default=8, gt=0, description="rows per step over all data-parallel ranks")
-    steps: int | None = Field(default=None, ge=1, description="None: one pass over the set")
-    checkpoint: Path | None = Field(
-        default=None, description="a job checkpoint folder, or a directory of them (newest complete); None: init"
-    )
-    weights: Path | None = Field(
-        default=None, description="d9d-layout safetensors weights (a converted checkpoint); exclusive of checkpoint"
-    )
-    output: Path
-    degrees: MeshDegrees = Field(default_factory=lambda: MeshDegrees(dp_shard=-1))
-    data_parallel: AnyDataParallelConfig = Field(default_factory=FsdpConfig)
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    seed: int = 0
-    tracker: AnyTrackerConfig = Field(
-        default_factory=NoTrackerConfig, description="log the results into this run family (e.g. pretrain's tracker)"
-    )
-    run_name: str = Field(
-        default="evaluate", description="the tracker run's name (aim, wandb; JSONL and TensorBoard keep it in hparams)"
-    )
+from d9d.metrics import BitsPerByteMetric, PerplexityMetric
+from d9d.metrics.trackers import build_tracker
+from d9d.models.catalogue import build_model
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,38 +61,40 @@ def run_evaluate(config: EvaluateConfig, ctx: DistributedContext) -> EvaluationR
     checkpoint = resolve_checkpoint(config.checkpoint)
     if checkpoint is not None and config.weights is not None:
         raise ValueError(f"checkpoint={config.checkpoint} and weights={config.weights}: set one of them, not both")
-    built = model_provider_for(config.model, config.data_parallel)(ctx, None)
+    built = build_model(config.model, ctx, config.data_parallel, tensor_parallel=config.tensor_parallel)
     if checkpoint is not None:
         load_model_weights(checkpoint, built.model)
     elif config.weights is not None:
         load_converted_weights(config.weights, built.model)
-    dataset = PackedTokenDataset(config.shards, seq_len=config.seq_len)
-    layout = ctx.layout_for(MeshDomain.BATCH)
-    dp_size = layout.shape[layout.dim_names.index("dp")]
+    dp_size = data_parallel_size(ctx)
     if config.rows_per_step % dp_size:
         raise ValueError(f"rows_per_step={config.rows_per_step} must be a multiple of the data-parallel size {dp_size}")
-    loader = DataParallelLoader(
-        dataset,
-        order=SequentialOrder(len(dataset)),
-        global_batch_size=config.rows_per_step,
-        dp_rank=ctx.coordinate(MeshDomain.BATCH)["dp"],
-        dp_size=dp_size,
-        collate_fn=collate_packed,
+    rows = len(PackedTokenDataset(config.shards, seq_len=config.seq_len))
+    steps = config.steps or rows // config.rows_per_step
+    if steps < 1:
+        raise ValueError(f"{rows} rows of {config.seq_len} tokens make no step of {config.rows_per_step} rows")
+    loader = packed_loader(
+        ctx,
+        config.shards,
+        seq_len=config.seq_len,
+        global_batch_rows=config.rows_per_step,
+        order=SequentialOrderConfig(),
         epochs=1,
     )
-    steps = config.steps or len(dataset) // config.rows_per_step
-    if steps < 1:
-        raise ValueError(f"{len(dataset)} rows of {config.seq_len} tokens make no step of {config.rows_per_step} rows")
     inference = Inference(ctx, model=built.model, task=PackedCausalLMTask(), data=LoaderDataSource(loader, 1))
     result = inference.run(steps)
+    # The figures come from d9d-metrics (one definition of each); the loop's loss is already over every rank.
     index = TokenShardIndex.read(config.shards)
-    bytes_per_token = index.num_bytes / max(index.num_tokens, 1)
+    loss_sum = result.loss * result.tokens
+    perplexity, bits_per_byte = PerplexityMetric(), BitsPerByteMetric()
+    perplexity.update(loss_sum, result.tokens)
+    bits_per_byte.update(loss_sum, result.tokens * index.num_bytes / max(index.num_tokens, 1))
     source = checkpoint if checkpoint is not None else config.weights
     return EvaluationReport(
         checkpoint=str(source) if source is not None else None,
         loss=result.loss,
-        perplexity=result.perplexity,
-        bits_per_byte=result.loss / (math.log(2) * bytes_per_token),
+        perplexity=perplexity.compute(),
+        bits_per_byte=bits_per_byte.compute(),
         tokens=result.tokens,
     )
 
@@ -150,49 +122,6 @@ def log_report(report: EvaluationReport, config: EvaluateConfig) -> str:
     run_id = tracker.run_id  # before close: an aim tracker would open a new run after it
     tracker.close()
     return run_id
-
-
-class EvaluateCandidate(BaseModel):
-    """One model of a suite: its architecture and where its weights come from (neither: the seeded init)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="the report goes into output/<name>/")
-    model: AnyModelConfig
-    checkpoint: Path | None = None
-    weights: Path | None = None
-    shards: Path | None = Field(default=None, description="its held-out set; None: the suite's")
-
-
-class EvaluateSuiteConfig(BaseModel):
-    """Several models over held-out sets (the suite's, or a candidate's own), in one launch (the evaluate stage's
-    rank program config)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    candidates: list[EvaluateCandidate] = Field(min_length=1)
-    shards: Path
-    seq_len: int = Field(gt=0)
-    rows_per_step: int = Field(default=8, gt=0)
-    steps: int | None = Field(default=None, ge=1)
-    output: Path
-    degrees: MeshDegrees = Field(default_factory=lambda: MeshDegrees(dp_shard=-1))
-    data_parallel: AnyDataParallelConfig = Field(default_factory=FsdpConfig)
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    seed: int = 0
-    tracker: AnyTrackerConfig = Field(default_factory=NoTrackerConfig)
-
-    def single(self, candidate: EvaluateCandidate) -> EvaluateConfig:
-        shared = self.model_dump(exclude={"candidates", "output", "shards"})
-        return EvaluateConfig(
-            **shared,
-            shards=candidate.shards if candidate.shards is not None else self.shards,
-            model=candidate.model,
-            checkpoint=candidate.checkpoint,
-            weights=candidate.weights,
-            output=self.output / candidate.name,
-            run_name=f"evaluate {candidate.name}",
-        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

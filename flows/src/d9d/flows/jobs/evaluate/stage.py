@@ -19,10 +19,9 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
 
 from d9d.flows.jobs.contract import (
     MANIFEST_FILENAME,
@@ -35,15 +34,19 @@ from d9d.flows.jobs.contract import (
     StageReporter,
     StageResult,
 )
+from d9d.flows.jobs.evaluate.config import EvaluateCandidate, EvaluateStageConfig, EvaluateSuiteConfig
 from d9d.flows.jobs.evaluate.plot import PlotUnavailable, plot_loss_curve
-from d9d.flows.jobs.evaluate.program import EvaluateCandidate, EvaluateSuiteConfig
 from d9d.flows.jobs.launch import LaunchSpec, launch
-from d9d.flows.jobs.pretrain.config import AnyModelConfig, Qwen3DenseModelConfig, Qwen3MoeModelConfig
-from d9d.flows.jobs.pretrain.stage import CHECKPOINTS_DIR, PARAMETERS_FILE, tracker_location
+from d9d.flows.jobs.pretrain.stage import CHECKPOINTS_DIR, tracker_location
 from d9d.flows.jobs.progress import Progress
+from d9d.flows.jobs.rank_failure import rank_errors
+from d9d.flows.jobs.stage_spec import Artifact, MarkdownArtifact, PreflightError, StageSpec, TableArtifact
 from d9d.flows.jobs.torchrun_stage import LOSSES_FILE, read_losses
 from d9d.metrics.trackers import AnyTrackerConfig, JsonlTrackerConfig, NoTrackerConfig, TensorBoardTrackerConfig
-from d9d.models.qwen3 import Qwen3DenseParameters, Qwen3MoeParameters
+from d9d.models.catalogue import PARAMETERS_FILE, AnyModelConfig, model_config_for, read_parameters
+
+if TYPE_CHECKING:
+    from d9d.flows.jobs.config import JobConfig
 
 STAGE_NAME = "evaluate"
 STAGE_VERSION = 2  # 2: checkpoints x splits, the fine-tuned checkpoint
@@ -59,36 +62,6 @@ FINETUNE_SPLIT = "finetune-data"
 MERGED_DIR = "merged"  # the fine-tune stage's merged weights (d9d-layout safetensors)
 
 
-class EvaluateStageConfig(BaseModel):
-    """The `evaluate` section of a job: which checkpoints, how much of each validation split, on how many ranks."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    seq_len: int | None = Field(default=None, gt=0, description="None: the pretrain stage's seq_len")
-    rows_per_step: int = Field(default=8, gt=0, description="rows per step over all ranks")
-    steps: int | None = Field(default=None, ge=1, description="None: one pass over each validation split")
-    base: bool = Field(default=True, description="also evaluate the convert stage's output (when it fits)")
-    finetune: bool = Field(
-        default=True, description="also evaluate the fine-tune stage's merged weights, and every checkpoint on the "
-        "fine-tune data's validation split"
-    )  # fmt: skip
-    nproc_per_node: int = Field(default=2, ge=1)
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    grace_seconds: float = Field(default=10.0, gt=0, description="after SIGTERM on cancel, before SIGKILL")
-    output: Path | None = Field(default=None, description="default: <workdir>/evaluation")
-    retries: int = Field(default=0, ge=0)
-    retry_delay_seconds: float = Field(default=10.0, ge=0)
-
-    def key_config(self, seq_len: int) -> dict[str, Any]:
-        return {
-            "seq_len": seq_len,
-            "rows_per_step": self.rows_per_step,
-            "steps": self.steps,
-            "base": self.base,
-            "finetune": self.finetune,
-        }
-
-
 @dataclass(frozen=True, kw_only=True)
 class EvaluateInputs:
     """Where the earlier stages put what this one reads."""
@@ -100,6 +73,7 @@ class EvaluateInputs:
     pretrain_seq_len: int
     convert_output: Path
     finetune_output: Path | None = None  # None: no fine-tuned checkpoint and no fine-tune split
+    finetune_model: AnyModelConfig | None = None  # the fine-tuned model (None: the pretrain model)
     finetune_validation_shards: Path | None = None
     # The pretrain stage's tracker as it resolved it: evaluations join the training run's family. Not in the key.
     tracker: AnyTrackerConfig = field(default_factory=NoTrackerConfig)
@@ -132,13 +106,7 @@ def base_candidate(inputs: EvaluateInputs) -> tuple[EvaluateCandidate | None, st
     parameters_file = checkpoint / PARAMETERS_FILE
     if not parameters_file.is_file():
         return None, f"base not evaluated: {parameters_file} does not exist"
-    raw = json.loads(parameters_file.read_text(encoding="utf-8"))
-    decoder = inputs.pretrain_model.decoder
-    model: AnyModelConfig
-    if "num_experts" in raw:
-        model = Qwen3MoeModelConfig(parameters=Qwen3MoeParameters.model_validate(raw), decoder=decoder)
-    else:
-        model = Qwen3DenseModelConfig(parameters=Qwen3DenseParameters.model_validate(raw), decoder=decoder)
+    model = model_config_for(read_parameters(checkpoint), inputs.pretrain_model.decoder)
     vocab = tokenizer_vocab_size(inputs.data_manifest)
     if vocab is not None and model.parameters.vocab_size < vocab:
         return None, (
@@ -185,7 +153,8 @@ def plan_evaluate(config: EvaluateStageConfig, inputs: EvaluateInputs, output: P
     fingerprints.append(FileFingerprint.of(inputs.pretrain_output / MANIFEST_FILENAME, name="pretrain/manifest"))
     if config.finetune and inputs.finetune_output is not None and inputs.finetune_validation_shards is not None:
         merged = inputs.finetune_output / MERGED_DIR
-        checkpoints.append(EvaluateCandidate(name="finetune", model=inputs.pretrain_model, weights=merged))
+        model = inputs.finetune_model or inputs.pretrain_model
+        checkpoints.append(EvaluateCandidate(name="finetune", model=model, weights=merged))
         notes.append(f"finetune: the fine-tune stage's merged weights {merged}")
         fingerprints.append(FileFingerprint.of(inputs.finetune_output / MANIFEST_FILENAME, name="finetune/manifest"))
         splits[FINETUNE_SPLIT] = inputs.finetune_validation_shards
@@ -209,13 +178,11 @@ def suite_config(plan: EvaluatePlan, root: Path) -> EvaluateSuiteConfig:
     """The rank program's config: every checkpoint on every split, reporting into `root/<checkpoint>.<split>/` and
     logging into the pretrain stage's tracker family."""
     return EvaluateSuiteConfig(
+        stage=plan.config,
         candidates=list(plan.candidates),
         shards=plan.inputs.validation_shards,
         seq_len=plan.seq_len,
-        rows_per_step=plan.config.rows_per_step,
-        steps=plan.config.steps,
         output=root,
-        device=plan.config.device,
         tracker=plan.inputs.tracker,
     )
 
@@ -234,19 +201,23 @@ def run_evaluate_stage(plan: EvaluatePlan, partial: PartialStage, progress: Prog
         progress.advance(1.0, name)
 
     progress.start("evaluate", float(len(candidates)), "evaluations")
+    log_file = partial.root / LOG_FILE
+    failed = True
     try:
-        launch(
-            LaunchSpec(
-                module="d9d.flows.jobs.evaluate.program",
-                args=["--suite", "--config", str(suite_file)],
-                nproc_per_node=plan.config.nproc_per_node,
-                log_file=partial.root / LOG_FILE,
-                grace_seconds=plan.config.grace_seconds,
-            ),
-            on_progress=evaluated,
-        )
+        with rank_errors(log_file, lambda cause: f"evaluate: a rank failed:\n{cause}"):
+            launch(
+                LaunchSpec(
+                    module="d9d.flows.jobs.evaluate.program",
+                    args=["--suite", "--config", str(suite_file)],
+                    nproc_per_node=plan.config.nproc_per_node,
+                    log_file=log_file,
+                    grace_seconds=plan.config.grace_seconds,
+                ),
+                on_progress=evaluated,
+            )
+        failed = False
     finally:
-        progress.finish()
+        progress.finish(failed=failed)
     reports: dict[str, dict[str, Any]] = {
         checkpoint.name: {
             split: json.loads((partial.root / f"{checkpoint.name}.{split}" / REPORT_JSON).read_text(encoding="utf-8"))
@@ -384,3 +355,52 @@ def commit(
 
 def skipped(plan: EvaluatePlan, completeness: Completeness) -> StageResult:
     return REPORTER.skipped(plan.output, completeness)
+
+
+def preflight(config: JobConfig) -> None:
+    section = config.evaluate
+    if section.rows_per_step % section.nproc_per_node:
+        raise PreflightError(
+            f"evaluate.rows_per_step={section.rows_per_step} is not a multiple of evaluate.nproc_per_node="
+            f"{section.nproc_per_node}; every rank evaluates the same number of rows per step"
+        )
+
+
+def reads(config: JobConfig) -> dict[str, Path]:
+    needs = {"data-prep": config.data_prep_output, "pretrain": config.pretrain_output}
+    if config.evaluate.finetune:
+        needs |= {"finetune-data": config.finetune_data_output, "finetune": config.finetune_output}
+    return needs
+
+
+def _run(plan: EvaluatePlan, directory: StageDirectory, progress: Progress) -> StageResult:
+    partial = directory.open_partial(plan.key)
+    return commit(directory, partial, plan, run_evaluate_stage(plan, partial, progress))
+
+
+def artifacts(result: StageResult) -> list[Artifact]:
+    """The report as Prefect artifacts, so the flow run's page shows it."""
+    markdown = Path(result.output, REPORT_MARKDOWN).read_text(encoding="utf-8")
+    return [
+        MarkdownArtifact(key="evaluation-report", markdown=markdown, description=f"evaluation of {result.output}"),
+        TableArtifact(
+            key="evaluation-table",
+            rows=table_rows(result.statistics),
+            description=f"held-out loss per checkpoint and split, {result.output}",
+        ),
+    ]
+
+
+SPEC: StageSpec[EvaluatePlan] = StageSpec(
+    name=STAGE_NAME,
+    section="evaluate",
+    summary="held-out loss, perplexity and bits per byte of each checkpoint into <workdir>/evaluation",
+    reads=reads,
+    output=lambda config: config.evaluate_output,
+    preflight=preflight,
+    plan=lambda config, progress: plan_evaluate(config.evaluate, config.evaluate_inputs(), config.evaluate_output),
+    describe=lambda plan: f"running {len(plan.checkpoints)} checkpoint(s) on {len(plan.splits)} split(s)",
+    run=_run,
+    skipped=skipped,
+    artifacts=artifacts,
+)

@@ -1,4 +1,9 @@
-"""Loading the pretrained base into the injected model: a job checkpoint (DCP) or d9d-layout safetensors."""
+"""Loading the base into the injected model: a job checkpoint (DCP), or safetensors in d9d's layout or read through
+a named conversion (e.g. a Hugging Face directory with `qwen3-hf-to-d9d`), cast to the model's dtypes as it streams.
+
+Only the base names are asked of a checkpoint: the adapters the PEFT method injected stay at their initial values,
+whether the model is sharded (FSDP: every parameter a DTensor) or not.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +12,12 @@ from pathlib import Path
 from torch import nn
 
 from d9d.core.checkpoint import MARKER, latest_complete, load_model_weights
+from d9d.flows.jobs.weights import casting_mapper
+from d9d.models.conversions import named_mapping
 from d9d.peft import PeftInjectionResult
 from d9d.peft.loading import load_base_state
+from d9d.states import CheckpointSource
+from d9d.states.mapper import Identity, ModelStateMapper, Sequential
 
 
 def resolve_base(path: Path) -> Path:
@@ -23,10 +32,14 @@ def resolve_base(path: Path) -> Path:
     return latest
 
 
-def load_base(path: Path, model: nn.Module, injection: PeftInjectionResult) -> None:
+def load_base(path: Path, model: nn.Module, injection: PeftInjectionResult, mapping: str | None = None) -> None:
     """Fill every base weight of `model` from `path` (resolved); the adapters keep their initial values."""
+    base_names = [name for name in model.state_dict() if name not in injection.adapter_names]
     if (path / MARKER).is_file():
-        base_names = [name for name in model.state_dict() if name not in injection.adapter_names]
         load_model_weights(path, model, names=base_names)
-    else:
-        load_base_state(path, model, injection)
+        return
+    source: ModelStateMapper = Identity(base_names)
+    if mapping is not None:
+        source = named_mapping(mapping).factory(CheckpointSource.open(path).metas())
+    targets = model.state_dict()
+    load_base_state(path, model, injection, Sequential([source, casting_mapper({n: targets[n] for n in base_names})]))

@@ -8,11 +8,18 @@ retokenizes the fine-tune corpus too (the tokenizer file is an input of the stag
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from d9d.flows.jobs.data_prep.config import AnyCorpus, AnyTokenizer, DataPrepConfig, EmbeddedCorpus, FileTokenizer
-from d9d.flows.jobs.data_prep.program import TOKENIZER_FILE
+from d9d.flows.jobs.data_prep.corpus import check_readable, corpus_files, text_field_of
+from d9d.flows.jobs.data_prep.prepare import TOKENIZER_FILE, DataPrepPlan, plan_data_prep
+from d9d.flows.jobs.data_prep.stage import check, run_stage, skipped
+from d9d.flows.jobs.stage_spec import StageSpec
+
+if TYPE_CHECKING:
+    from d9d.flows.jobs.config import JobConfig
 
 
 class FinetuneDataConfig(BaseModel):
@@ -46,3 +53,24 @@ class FinetuneDataConfig(BaseModel):
             # The tokenizer follows the data-prep stage's; when that one changes, this shard set must follow.
             allow_tokenizer_change=True,
         )
+
+
+def preflight(config: JobConfig) -> None:
+    """The fine-tune corpus' files are readable (its tokenizer is the data-prep stage's, made before it runs)."""
+    section = config.finetune_data
+    for file in corpus_files(section.corpus, field="finetune_data.corpus"):
+        check_readable(file, text_field=text_field_of(section.corpus))
+
+
+SPEC: StageSpec[DataPrepPlan] = StageSpec(
+    name="finetune-data",
+    section="finetune_data",
+    summary="the fine-tune corpus to train/validation token shards with the pretrain data's tokenizer",
+    reads=lambda config: {"data-prep": config.data_prep_output},
+    output=lambda config: config.finetune_data_output,
+    preflight=preflight,
+    plan=lambda config, progress: plan_data_prep(config.finetune_data_prep, config.finetune_data_output),
+    check=check,
+    run=run_stage,
+    skipped=skipped,
+)

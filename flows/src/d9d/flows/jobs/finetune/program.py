@@ -1,13 +1,14 @@
 """The fine-tune rank program: `torchrun --nproc-per-node N -m d9d.flows.jobs.finetune.program --config ft.yaml`.
 
-Every rank runs the same wiring as pretrain (its model and data providers and task), with a PEFT method injected
-into the meta-device model before the parallel plan (so FSDP shards the adapters too), the base weights loaded
-from the pretrain stage's job checkpoint (or d9d-layout safetensors), and an optimizer over the trainable
-parameters only. The `Trainer` resumes from `trainer.checkpointing.directory` (with `trainable_only: true` those
-checkpoints hold only the adapters; the base is loaded first). At the end it writes into `output`:
+Every rank runs the same wiring as pretrain (the catalogue's `build_model`, packed data, the task), with a PEFT
+method injected into the meta-device model before the parallel plan (so FSDP shards the adapters too), the base
+weights loaded from a job checkpoint or safetensors (d9d layout, or through `stage.base_mapping`, e.g. straight from
+a Hugging Face directory), and an optimizer over the trainable parameters only. The `Trainer` resumes from
+`checkpoints` (adapter-only job checkpoints; the base is loaded first). At the end it writes into `output`:
 
 - `adapter/`: the trained parameters alone (d9d-layout safetensors), with `peft.json` (the method) beside it;
-- `merged/`: the adapters folded into the base weights (d9d-layout safetensors, the base model's names);
+- `merged/`: the adapters folded into the base weights (d9d-layout safetensors, the base model's names) with its
+  `parameters.json`, so `d9d convert --mapping qwen3-d9d-to-hf merged/ DIR` gives a `transformers` directory;
 - `hf_peft/` (with `export_hf_peft`): `adapter_model.safetensors` + `adapter_config.json` for HF `peft`;
 - `finetune.json`: validation loss before and after, parameter counts.
 """
@@ -27,25 +28,25 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from d9d.core.config import load_config
-from d9d.core.data import DataParallelLoader, PackedTokenDataset, SequentialOrder, collate_packed
+from d9d.core.data.loader_config import SequentialOrderConfig, ShuffledOrderConfig
 from d9d.core.dist import DistributedContext
-from d9d.core.dist.domains import MeshDomain
-from d9d.core.loop import EventBus, LoaderDataSource, TrainResult, build_trainer, evaluate
+from d9d.core.loop import BuiltModel, EventBus, LoaderDataSource, ModelLoader, TrainResult, build_trainer, evaluate
 from d9d.core.loop.reduce import dp_group
 from d9d.core.lr import build_lr_scheduler
 from d9d.core.optim import build_optimizer
 from d9d.flows.jobs.finetune.base import load_base, resolve_base
-from d9d.flows.jobs.finetune.config import FinetuneConfig
+from d9d.flows.jobs.finetune.config import FinetuneRankConfig
 from d9d.flows.jobs.launch import prepare_rank
 from d9d.flows.jobs.optimizer_kernels import register_optimizer_kernels
-from d9d.flows.jobs.pretrain.config import AnyModelConfig, Qwen3DenseModelConfig, Qwen3MoeModelConfig
-from d9d.flows.jobs.pretrain.program import (
-    PackedCausalLMTask,
-    data_provider_for,
-    model_provider_for,
-    report_progress,
-)
+from d9d.flows.jobs.rank_wiring import PackedCausalLMTask, packed_loader, report_progress
 from d9d.metrics.trackers import build_tracker
+from d9d.models.catalogue import (
+    AnyModelConfig,
+    Qwen3DenseModelConfig,
+    Qwen3MoeModelConfig,
+    build_model,
+    write_parameters,
+)
 from d9d.models.qwen3 import mapper_to_huggingface_qwen3_dense, mapper_to_huggingface_qwen3_moe
 from d9d.parallel import clip_grad_norm_
 from d9d.peft import PeftInjectionResult, PeftMethod, build_peft_method, inject_peft_and_freeze, merge_peft
@@ -55,6 +56,9 @@ from d9d.states import save_model_state
 from d9d.states.mapper import ModelStateMapper
 
 REPORT_FILE = "finetune.json"
+MERGED_DIR = "merged"
+ADAPTER_DIR = "adapter"
+PEFT_FILE = "peft.json"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,25 +71,21 @@ class FinetuneResult:
     total_parameters: int
 
 
-def validation_loss(config: FinetuneConfig, ctx: DistributedContext, model: nn.Module) -> float | None:
-    """Token-weighted loss over the first `validation.steps` batches of the validation shards (None: none set)."""
-    validation = config.validation
-    if validation is None:
+def validation_loss(config: FinetuneRankConfig, ctx: DistributedContext, model: nn.Module) -> float | None:
+    """Token-weighted loss over the first `validation_steps` batches of the validation shards (None: none set)."""
+    if config.validation_shards is None:
         return None
-    dataset = PackedTokenDataset(validation.shards, seq_len=config.data.seq_len)
-    group = dp_group(ctx)
-    dp_size = 1 if group is None else group.size()
-    loader = DataParallelLoader(
-        dataset,
-        order=SequentialOrder(len(dataset)),
-        global_batch_size=validation.rows_per_step,
-        dp_rank=ctx.coordinate(MeshDomain.BATCH)["dp"],
-        dp_size=dp_size,
-        collate_fn=collate_packed,
+    loader = packed_loader(
+        ctx,
+        config.validation_shards,
+        seq_len=config.seq_len,
+        global_batch_rows=config.stage.validation_rows_per_step,
+        order=SequentialOrderConfig(),
         epochs=None,
     )
     data = LoaderDataSource(loader, 1)
-    return evaluate(model, PackedCausalLMTask(), data, steps=validation.steps, group=group, device=ctx.device).loss
+    steps = config.stage.validation_steps
+    return evaluate(model, PackedCausalLMTask(), data, steps=steps, group=dp_group(ctx), device=ctx.device).loss
 
 
 def to_hf_mapper(model: AnyModelConfig) -> ModelStateMapper:
@@ -99,7 +99,7 @@ def to_hf_mapper(model: AnyModelConfig) -> ModelStateMapper:
 
 
 def export_outputs(
-    config: FinetuneConfig,
+    config: FinetuneRankConfig,
     ctx: DistributedContext,
     model: nn.Module,
     method: PeftMethod,
@@ -108,19 +108,21 @@ def export_outputs(
     """Adapters first (they are gone once merged), then the merged model; every rank takes part."""
     output = config.output
     output.mkdir(parents=True, exist_ok=True)
-    save_trainable_state(output / "adapter", model, overwrite=True)
-    if config.export_hf_peft:
+    save_trainable_state(output / ADAPTER_DIR, model, overwrite=True)
+    if config.stage.export_hf_peft:
         export_hf_peft_adapter(model, to_hf_mapper(config.model), output / "hf_peft", write=ctx.is_main_process)
     merge_peft(method, model)
     merged = {name: value for name, value in model.state_dict().items() if name not in injection.adapter_names}
-    save_model_state(output / "merged", merged, overwrite=True)
+    save_model_state(output / MERGED_DIR, merged, overwrite=True)
     if ctx.is_main_process:
-        (output / "peft.json").write_text(config.peft.model_dump_json(indent=2) + "\n", encoding="utf-8")
+        write_parameters(output / MERGED_DIR, config.model.parameters)  # a model directory says what it holds
+        (output / PEFT_FILE).write_text(config.stage.peft.model_dump_json(indent=2) + "\n", encoding="utf-8")
 
 
-def run_finetune(config: FinetuneConfig, ctx: DistributedContext, events: EventBus | None = None) -> FinetuneResult:
+def run_finetune(config: FinetuneRankConfig, ctx: DistributedContext, events: EventBus | None = None) -> FinetuneResult:
     """Fine-tune on this rank (every rank of the job calls it with the same config)."""
-    method = build_peft_method(config.peft)
+    stage = config.stage
+    method = build_peft_method(stage.peft)
     base = resolve_base(config.base)
     injections: list[PeftInjectionResult] = []
 
@@ -128,25 +130,46 @@ def run_finetune(config: FinetuneConfig, ctx: DistributedContext, events: EventB
         injections.append(inject_peft_and_freeze(method, model))
 
     def load(model: nn.Module) -> None:
-        load_base(base, model, injections[-1])
+        load_base(base, model, injections[-1], stage.base_mapping)
+
+    def model_provider(ctx: DistributedContext, loader: ModelLoader | None) -> BuiltModel:
+        return build_model(
+            config.model,
+            ctx,
+            stage.data_parallel,
+            prepare=prepare,
+            loader=loader,
+            tensor_parallel=stage.tensor_parallel,
+        )
+
+    def data_provider(ctx: DistributedContext, microbatches_per_step: int) -> LoaderDataSource:
+        loader = packed_loader(
+            ctx,
+            config.train_shards,
+            seq_len=config.seq_len,
+            global_batch_rows=stage.global_batch_rows,
+            order=ShuffledOrderConfig(seed=stage.shuffle_seed),
+            epochs=None,
+        )
+        return LoaderDataSource(loader, microbatches_per_step)
 
     def optimizer_provider(model: nn.Module) -> Optimizer:
-        register_optimizer_kernels(config.optimizer)
+        register_optimizer_kernels(stage.optimizer)
         # Only what trains: the optimizer then holds state for the adapters alone.
-        return build_optimizer(config.optimizer, [param for param in model.parameters() if param.requires_grad])
+        return build_optimizer(stage.optimizer, [param for param in model.parameters() if param.requires_grad])
 
     def lr_provider(optimizer: Optimizer, total_steps: int) -> LRScheduler:
-        return build_lr_scheduler(config.lr_schedule, optimizer, total_steps)
+        return build_lr_scheduler(stage.lr_schedule, optimizer, total_steps)
 
     tracker = build_tracker(
         config.tracker, enabled=ctx.is_main_process, hparams=config.model_dump(mode="json"), name="finetune"
     )
     trainer = build_trainer(
         ctx,
-        config.trainer,
-        model_provider=model_provider_for(config.model, config.data_parallel, prepare),
+        stage.trainer_config(config.checkpoints, trainable_only=True),  # the base is loaded; only adapters are new
+        model_provider=model_provider,
         task=PackedCausalLMTask(),
-        data_provider=data_provider_for(config.data, config.trainer.global_batch_rows),
+        data_provider=data_provider,
         optimizer_provider=optimizer_provider,
         lr_scheduler_provider=lr_provider,
         loader=load,
@@ -182,12 +205,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--config", type=Path, required=True)
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args(argv)
-    config = load_config(FinetuneConfig, args.config, args.overrides)
-    timeout = timedelta(seconds=config.trainer.collective_timeout_s)
-    with DistributedContext.build(config.degrees, device=config.device, timeout=timeout) as ctx:
+    config = load_config(FinetuneRankConfig, args.config, args.overrides)  # the one validation in this process
+    stage = config.stage
+    timeout = timedelta(seconds=stage.trainer_config(config.checkpoints).collective_timeout_s)
+    with DistributedContext.build(stage.degrees, device=stage.device, timeout=timeout) as ctx:
         events = EventBus()
         if ctx.is_main_process:  # progress lines for the launcher (the fine-tune stage's progress and losses)
-            report_progress(events, config.trainer.total_steps)
+            report_progress(events, stage.steps)
         result = run_finetune(config, ctx, events)
         ctx.logger.info(
             "finetune finished at step %d: validation loss %s -> %s",

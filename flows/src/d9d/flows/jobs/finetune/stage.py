@@ -1,11 +1,12 @@
 """The fine-tune stage under the stage contract: the fine-tune rank program under `torchrun`, resumable, committed.
 
-Inputs are the pretrain stage's newest complete job checkpoint (the base), and the finetune-data stage's train and
-validation splits. The model and `seq_len` are the pretrain section's. The adapter-only job checkpoints live in the
-partial directory while the stage runs, so a cancelled or failed attempt resumes from the newest one (the base is
-loaded first); a changed config clears them. The rank program writes `adapter/`, `merged/` (the adapters folded
-into the base, d9d-layout safetensors, what the evaluate stage reads), `peft.json` and `finetune.json` (validation
-loss before and after). No Prefect here.
+Inputs are the base (the pretrain stage's newest complete job checkpoint, or `finetune.base`: safetensors in d9d's
+layout or read through `finetune.base_mapping`, e.g. a Hugging Face directory) and the finetune-data stage's train
+and validation splits. The model is the pretrain section's, or the one the base describes; `seq_len` is the
+pretrain section's. The adapter-only job checkpoints live in the partial directory while the stage runs, so a
+cancelled or failed attempt resumes from the newest one (the base is loaded first); a changed config clears them.
+The rank program writes `adapter/`, `merged/` (the adapters folded into the base, d9d-layout safetensors with its
+`parameters.json`, what the evaluate stage reads), `peft.json` and `finetune.json`. No Prefect here.
 """
 
 from __future__ import annotations
@@ -14,11 +15,8 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pydantic import ConfigDict, Field, field_validator
-
-from d9d.core.optim import AdamWConfig, AnyOptimizerConfig
 from d9d.flows.jobs.contract import (
     MANIFEST_FILENAME,
     Completeness,
@@ -29,57 +27,38 @@ from d9d.flows.jobs.contract import (
     StageReporter,
     StageResult,
 )
-from d9d.flows.jobs.finetune.config import FinetuneConfig, FinetuneValidationConfig
-from d9d.flows.jobs.finetune.program import REPORT_FILE
-from d9d.flows.jobs.pretrain.config import AnyModelConfig, PretrainDataConfig
-from d9d.flows.jobs.pretrain.stage import CHECKPOINTS_DIR, TRACKER_DIR, tracker_artifact, tracker_config, tracker_run
+from d9d.flows.jobs.finetune.config import FinetuneRankConfig, FinetuneStageConfig
+from d9d.flows.jobs.finetune.program import ADAPTER_DIR, MERGED_DIR, PEFT_FILE, REPORT_FILE
+from d9d.flows.jobs.pretrain.stage import (
+    CHECKPOINTS_DIR,
+    TRACKER_DIR,
+    prepare_partial,
+    tracker_artifact,
+    tracker_config,
+    tracker_run,
+)
 from d9d.flows.jobs.progress import Progress
-from d9d.flows.jobs.torchrun_stage import JOB_FILE, LOG_FILE, LOSSES_FILE, TrainingLoopSettings, launch_training
-from d9d.peft import AnyPeftConfig
-from d9d.peft.config import LoRAConfig, LoRAParameters
+from d9d.flows.jobs.stage_spec import PreflightError, StageSpec
+from d9d.flows.jobs.torchrun_stage import JOB_FILE, LOG_FILE, LOSSES_FILE, launch_training
+from d9d.models.catalogue import AnyModelConfig, model_config_for, read_parameters
+from d9d.models.conversions import named_mapping
+
+if TYPE_CHECKING:
+    from d9d.flows.jobs.config import JobConfig
 
 STAGE_NAME = "finetune"
 STAGE_VERSION = 1
 RECORDED_PACKAGES = ("d9d-core", "d9d-models", "d9d-parallel", "d9d-peft", "d9d-flows", "torch")
-MERGED_DIR = "merged"
-
-# LoRA on every attention and MLP projection of the Qwen3 blocks (dense MLPs and grouped experts alike).
-DEFAULT_PEFT = LoRAConfig.model_validate(
-    {
-        "module_name_pattern": r".*\.self_attn\.(q|k|v|o)_proj|.*\.mlp\.(experts\.)?(gate|up|down)_proj",
-        "params": LoRAParameters(r=8, alpha=16.0),
-    }
-)
-
-
-class FinetuneStageConfig(TrainingLoopSettings):
-    """The `finetune` section of a job: the PEFT method and how long and how wide to train it."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    peft: AnyPeftConfig = Field(default=DEFAULT_PEFT, description="LoRA (default), full_tune, or a stack of them")
-    steps: int = Field(default=50, ge=1)
-    checkpoint_every: int | None = Field(default=25, ge=1, description="None: at the end and on SIGTERM only")
-    optimizer: AnyOptimizerConfig = Field(default_factory=lambda: AdamWConfig(lr=1e-3))
-    validation_rows_per_step: int = Field(default=8, gt=0, description="finetune.json's before/after loss")
-    validation_steps: int = Field(default=4, ge=1)
-
-    @field_validator("peft", mode="before")
-    @classmethod
-    def _default_kind(cls, value: Any) -> Any:
-        """A `peft` section without `kind` (e.g. `--set finetune.peft.params.r=4`) changes the default LoRA."""
-        if isinstance(value, dict) and "kind" not in value:
-            return {**DEFAULT_PEFT.model_dump(mode="json"), **value}
-        return value
 
 
 @dataclass(frozen=True, kw_only=True)
 class FinetuneInputs:
-    """Where the earlier stages put what this one reads, and the pretrain section's model."""
+    """Where the earlier stages (or the user) put what this one reads, and the model to build."""
 
     model: AnyModelConfig
     seq_len: int
-    pretrain_output: Path
+    base: Path  # a job checkpoint directory (pretrain's) or a safetensors checkpoint
+    base_manifest: Path | None  # the pretrain stage's output when the base is its checkpoints
     data_output: Path  # the finetune-data stage's output (train/ and validation/)
 
 
@@ -91,12 +70,54 @@ class FinetunePlan:
     key: StageKey
 
 
+def inputs_of(config: JobConfig) -> FinetuneInputs:
+    """The base, the model and the data of the job's fine-tune stage."""
+    section, pretrain = config.finetune, config.pretrain
+    if section.base is None:
+        return FinetuneInputs(
+            model=pretrain.model,
+            seq_len=pretrain.seq_len,
+            base=config.pretrain_output / CHECKPOINTS_DIR,
+            base_manifest=config.pretrain_output,
+            data_output=config.finetune_data_output,
+        )
+    return FinetuneInputs(
+        model=base_model(section, decoder_of=pretrain.model),
+        seq_len=pretrain.seq_len,
+        base=section.base,
+        base_manifest=None,
+        data_output=config.finetune_data_output,
+    )
+
+
+def base_model(section: FinetuneStageConfig, *, decoder_of: AnyModelConfig) -> AnyModelConfig:
+    """The model `finetune.base` holds: from its `parameters.json`, or its own config read through the mapping."""
+    assert section.base is not None
+    try:
+        if section.base_mapping is not None:
+            parameters = named_mapping(section.base_mapping).source_parameters(section.base)
+        else:
+            parameters = read_parameters(section.base)
+    except (OSError, ValueError) as error:
+        raise PreflightError(
+            f"finetune.base={section.base}: cannot tell which model it holds ({error}); point it at a d9d model "
+            "directory (with parameters.json) or set finetune.base_mapping (e.g. qwen3-hf-to-d9d for a Hugging "
+            "Face directory with config.json)"
+        ) from error
+    return model_config_for(parameters, decoder_of.decoder)
+
+
 def plan_finetune(config: FinetuneStageConfig, inputs: FinetuneInputs, output: Path) -> FinetunePlan:
     # A stage's manifest stands for its whole output (it holds every file's checksum).
-    fingerprints = [
-        FileFingerprint.of(inputs.pretrain_output / MANIFEST_FILENAME, name="pretrain/manifest"),
-        FileFingerprint.of(inputs.data_output / MANIFEST_FILENAME, name="finetune-data/manifest"),
-    ]
+    fingerprints = [FileFingerprint.of(inputs.data_output / MANIFEST_FILENAME, name="finetune-data/manifest")]
+    if inputs.base_manifest is not None:
+        fingerprints.insert(0, FileFingerprint.of(inputs.base_manifest / MANIFEST_FILENAME, name="pretrain/manifest"))
+    else:
+        fingerprints += [
+            FileFingerprint.of(path, name=f"base/{path.relative_to(inputs.base)}")
+            for path in sorted(inputs.base.rglob("*"))
+            if path.is_file() and not path.name.startswith(".")
+        ]
     key_config = {
         **config.key_config(),
         "model": inputs.model.model_dump(mode="json"),
@@ -106,30 +127,20 @@ def plan_finetune(config: FinetuneStageConfig, inputs: FinetuneInputs, output: P
     return FinetunePlan(config=config, inputs=inputs, output=output, key=key)
 
 
-def rank_config(plan: FinetunePlan, root: Path) -> FinetuneConfig:
-    """The rank program's config: adapter-only job checkpoints under `root/checkpoints`, outputs into `root`."""
-    config, inputs = plan.config, plan.inputs
-    return FinetuneConfig(
+def rank_config(plan: FinetunePlan, root: Path) -> FinetuneRankConfig:
+    """The rank program's config: the section unchanged, adapter-only job checkpoints under `root/checkpoints`,
+    outputs into `root`."""
+    inputs = plan.inputs
+    return FinetuneRankConfig(
+        stage=plan.config,
         model=inputs.model,
-        base=inputs.pretrain_output / CHECKPOINTS_DIR,
-        peft=config.peft,
-        data=PretrainDataConfig(
-            shards=inputs.data_output / "train", seq_len=inputs.seq_len, shuffle_seed=config.shuffle_seed
-        ),
-        validation=FinetuneValidationConfig(
-            shards=inputs.data_output / "validation",
-            rows_per_step=config.validation_rows_per_step,
-            steps=config.validation_steps,
-        ),
-        # The base is the pretrain stage's; only the adapters are new.
-        trainer=config.trainer_config(root / CHECKPOINTS_DIR, trainable_only=True),
+        seq_len=inputs.seq_len,
+        base=inputs.base,
+        train_shards=inputs.data_output / "train",
+        validation_shards=inputs.data_output / "validation",
+        checkpoints=root / CHECKPOINTS_DIR,
         output=root,
-        degrees=config.degrees,
-        data_parallel=config.data_parallel,
-        optimizer=config.optimizer,
-        lr_schedule=config.lr_schedule,
-        device=config.device,
-        tracker=tracker_config(config.tracker, root),
+        tracker=tracker_config(plan.config.tracker, root),
     )
 
 
@@ -165,7 +176,7 @@ def run_finetune_stage(plan: FinetunePlan, partial: PartialStage, progress: Prog
 def _artifacts(output: Path, statistics: Mapping[str, Any]) -> dict[str, str]:
     return {
         "merged weights": str(output / MERGED_DIR),
-        "adapter": str(output / "adapter"),
+        "adapter": str(output / ADAPTER_DIR),
         "checkpoints": str(output / CHECKPOINTS_DIR),
         "losses": str(output / LOSSES_FILE),
         **tracker_artifact(statistics),
@@ -178,8 +189,8 @@ REPORTER = StageReporter(STAGE_NAME, RECORDED_PACKAGES, _artifacts)
 def commit(
     directory: StageDirectory, partial: PartialStage, plan: FinetunePlan, statistics: dict[str, Any]
 ) -> StageResult:
-    files = [JOB_FILE, LOSSES_FILE, LOG_FILE, REPORT_FILE, "peft.json"]
-    for name in (CHECKPOINTS_DIR, TRACKER_DIR, "adapter", MERGED_DIR):
+    files = [JOB_FILE, LOSSES_FILE, LOG_FILE, REPORT_FILE, PEFT_FILE]
+    for name in (CHECKPOINTS_DIR, TRACKER_DIR, ADAPTER_DIR, MERGED_DIR, "hf_peft"):
         folder = partial.root / name
         files += sorted(str(path.relative_to(partial.root)) for path in folder.rglob("*") if path.is_file())
     return REPORTER.commit(directory, partial, plan.key, plan.output, outputs=files, statistics=statistics)
@@ -187,3 +198,46 @@ def commit(
 
 def skipped(plan: FinetunePlan, completeness: Completeness) -> StageResult:
     return REPORTER.skipped(plan.output, completeness)
+
+
+def preflight(config: JobConfig) -> None:
+    section = config.finetune
+    section.check_batch("finetune")
+    section.check_schedule("finetune")
+    dp = section.data_parallel_size()
+    if dp is not None and section.validation_rows_per_step % dp:
+        raise PreflightError(
+            f"finetune.validation_rows_per_step={section.validation_rows_per_step} is not a multiple of "
+            f"finetune.nproc_per_node={section.nproc_per_node}; every rank evaluates the same number of rows"
+        )
+    if section.base is not None:
+        if not section.base.is_dir():
+            raise PreflightError(f"finetune.base={section.base} is not a directory of safetensors files")
+        base_model(section, decoder_of=config.pretrain.model)
+
+
+def reads(config: JobConfig) -> dict[str, Path]:
+    needs = {"finetune-data": config.finetune_data_output}
+    if config.finetune.base is None:
+        needs = {"pretrain": config.pretrain_output, **needs}
+    return needs
+
+
+def _run(plan: FinetunePlan, directory: StageDirectory, progress: Progress) -> StageResult:
+    partial = directory.open_partial(plan.key)
+    progress.note(f"finetune: {prepare_partial(partial, plan.key)} on {plan.config.nproc_per_node} ranks")
+    return commit(directory, partial, plan, run_finetune_stage(plan, partial, progress))
+
+
+SPEC: StageSpec[FinetunePlan] = StageSpec(
+    name=STAGE_NAME,
+    section="finetune",
+    summary="fine-tune the base on the fine-tune corpus into <workdir>/finetune (adapter, merged weights)",
+    reads=reads,
+    output=lambda config: config.finetune_output,
+    preflight=preflight,
+    plan=lambda config, progress: plan_finetune(config.finetune, inputs_of(config), config.finetune_output),
+    describe=lambda plan: f"running {plan.config.peft.kind} from {plan.inputs.base}",
+    run=_run,
+    skipped=skipped,
+)

@@ -1,11 +1,6 @@
-"""The pretrain stage's rank program (run under torchrun; no Prefect): `PretrainConfig`, `run_pretrain`."""
+"""The pretrain stage: its section (`PretrainStageConfig`), its rank program's config (`PretrainRankConfig`, run by
+`d9d.flows.jobs.pretrain.program`) and the stage itself (`d9d.flows.jobs.pretrain.stage`). No Prefect here."""
 
-from d9d.flows.jobs.pretrain.config import (
-    PretrainConfig,
-    PretrainDataConfig,
-    Qwen3DenseModelConfig,
-    Qwen3MoeModelConfig,
-)
-from d9d.flows.jobs.pretrain.program import run_pretrain
+from d9d.flows.jobs.pretrain.config import PretrainRankConfig, PretrainStageConfig
 
-__all__ = ["PretrainConfig", "PretrainDataConfig", "Qwen3DenseModelConfig", "Qwen3MoeModelConfig", "run_pretrain"]
+__all__ = ["PretrainRankConfig", "PretrainStageConfig"]

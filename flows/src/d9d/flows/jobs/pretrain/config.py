@@ -1,62 +1,50 @@
-"""Configuration of the pretrain rank program: model, parallelism, data, optimizer, schedule and the loop."""
+"""The `pretrain` section of a job and the pretrain rank program's config, which embeds that section unchanged."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from d9d.core.dist import MeshDegrees
-from d9d.core.loop import TrainerConfig
-from d9d.core.lr import AnyLRScheduleConfig, ConstantScheduleConfig
-from d9d.core.optim import AdamWConfig, AnyOptimizerConfig
+from d9d.flows.jobs.torchrun_stage import TrainingStageConfig
 from d9d.metrics.trackers import AnyTrackerConfig, NoTrackerConfig
-from d9d.models import DecoderConfig
-from d9d.models.qwen3 import Qwen3DenseParameters, Qwen3MoeParameters
-from d9d.parallel import AnyDataParallelConfig, FsdpConfig
+from d9d.models.catalogue import AnyModelConfig, Qwen3DenseModelConfig
+from d9d.models.qwen3 import Qwen3DenseParameters
+
+DEFAULT_MODEL = Qwen3DenseModelConfig(
+    parameters=Qwen3DenseParameters(
+        vocab_size=4096, hidden_size=64, intermediate_size=128, num_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+    )
+)  # fmt: skip
 
 
-class Qwen3DenseModelConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class PretrainStageConfig(TrainingStageConfig):
+    """The `pretrain` section of a job: the model and how long and how wide to train it.
 
-    kind: Literal["qwen3_dense"] = "qwen3_dense"
-    parameters: Qwen3DenseParameters
-    decoder: DecoderConfig = Field(default_factory=DecoderConfig)
+    `init_from="convert"` starts from the convert stage's checkpoint when its parameters equal `model.parameters`
+    (same family and shapes); otherwise, and with `"random"`, the model starts from its seeded initialisation.
+    The stage records which one it used.
+    """
 
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
-class Qwen3MoeModelConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    kind: Literal["qwen3_moe"] = "qwen3_moe"
-    parameters: Qwen3MoeParameters
-    decoder: DecoderConfig = Field(default_factory=DecoderConfig)
-    expert_bias_rate: float = Field(default=1e-3, ge=0, description="aux-loss-free balancing step (router_expert_bias)")
+    model: AnyModelConfig = Field(default=DEFAULT_MODEL)
+    seq_len: int = Field(default=128, gt=0, description="tokens per packed row")
+    init_from: Literal["convert", "random"] = "convert"
 
 
-AnyModelConfig = Annotated[Qwen3DenseModelConfig | Qwen3MoeModelConfig, Field(discriminator="kind")]
+class PretrainRankConfig(BaseModel):
+    """What every pretrain rank reads (`job.yaml`): the job's `pretrain` section as the user set it, and where this
+    run reads and writes (resolved by the stage)."""
 
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
-class PretrainDataConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    shards: Path = Field(description="a token-shard set (the data-prep stage's train split)")
-    seq_len: int = Field(gt=0)
-    shuffle_seed: int = 0
-
-
-class PretrainConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    model: AnyModelConfig
-    data: PretrainDataConfig
-    trainer: TrainerConfig
-    degrees: MeshDegrees = Field(default_factory=lambda: MeshDegrees(dp_shard=-1))
-    data_parallel: AnyDataParallelConfig = Field(default_factory=FsdpConfig)
-    optimizer: AnyOptimizerConfig = Field(default_factory=AdamWConfig)
-    lr_schedule: AnyLRScheduleConfig = Field(default_factory=ConstantScheduleConfig)
-    init_from: Path | None = Field(default=None, description="a d9d-layout safetensors checkpoint to start from")
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    stage: PretrainStageConfig
+    train_shards: Path = Field(description="a token-shard set (the data-prep stage's train split)")
+    checkpoints: Path = Field(description="job checkpoints go here; the newest complete one is resumed")
+    init_weights: Path | None = Field(default=None, description="a d9d-layout safetensors checkpoint to start from")
     tracker: AnyTrackerConfig = Field(
         default_factory=NoTrackerConfig, description="experiment tracker (rank 0 writes), e.g. jsonl or aim"
     )

@@ -13,9 +13,7 @@ import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
-
-from pydantic import ConfigDict, Field
+from typing import TYPE_CHECKING, Any
 
 from d9d.flows.jobs.contract import (
     Completeness,
@@ -26,15 +24,11 @@ from d9d.flows.jobs.contract import (
     StageReporter,
     StageResult,
 )
-from d9d.flows.jobs.pretrain.config import AnyModelConfig, PretrainConfig, PretrainDataConfig, Qwen3DenseModelConfig
+from d9d.flows.jobs.data_prep.config import TrainBpeTokenizer
+from d9d.flows.jobs.pretrain.config import PretrainRankConfig, PretrainStageConfig
 from d9d.flows.jobs.progress import Progress
-from d9d.flows.jobs.torchrun_stage import (
-    JOB_FILE,
-    LOG_FILE,
-    LOSSES_FILE,
-    TrainingLoopSettings,
-    launch_training,
-)
+from d9d.flows.jobs.stage_spec import PreflightError, StageSpec
+from d9d.flows.jobs.torchrun_stage import JOB_FILE, LOG_FILE, LOSSES_FILE, launch_training
 from d9d.metrics.trackers import AnyTrackerConfig
 from d9d.metrics.trackers.config import (
     AimTrackerConfig,
@@ -43,7 +37,10 @@ from d9d.metrics.trackers.config import (
     TensorBoardTrackerConfig,
     WandbTrackerConfig,
 )
-from d9d.models.qwen3 import Qwen3DenseParameters, Qwen3MoeParameters
+from d9d.models.catalogue import PARAMETERS_FILE, model_kind, read_parameters
+
+if TYPE_CHECKING:
+    from d9d.flows.jobs.config import JobConfig
 
 STAGE_NAME = "pretrain"
 STAGE_VERSION = 1
@@ -51,29 +48,6 @@ RECORDED_PACKAGES = ("d9d-core", "d9d-models", "d9d-parallel", "d9d-flows", "tor
 CHECKPOINTS_DIR = "checkpoints"
 TRACKER_DIR = "tracker"
 RUN_KEY_FILE = "run-key.json"
-PARAMETERS_FILE = "parameters.json"  # written next to a converted checkpoint by the convert stage
-
-DEFAULT_MODEL = Qwen3DenseModelConfig(
-    parameters=Qwen3DenseParameters(
-        vocab_size=4096, hidden_size=64, intermediate_size=128, num_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
-    )
-)  # fmt: skip
-
-
-class PretrainStageConfig(TrainingLoopSettings):
-    """The `pretrain` section of a job: the model and how long and how wide to train it.
-
-    `init_from="convert"` starts from the convert stage's checkpoint when its parameters equal `model.parameters`
-    (same family and shapes); otherwise, and with `"random"`, the model starts from its seeded initialisation.
-    The stage records which one it used.
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    model: AnyModelConfig = Field(default=DEFAULT_MODEL)
-    seq_len: int = Field(default=128, gt=0, description="tokens per packed row")
-    init_from: Literal["convert", "random"] = "convert"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,16 +67,11 @@ def init_checkpoint(config: PretrainStageConfig, convert_checkpoint: Path) -> tu
     parameters_file = convert_checkpoint / PARAMETERS_FILE
     if not parameters_file.is_file():
         return None, f"random initialisation ({parameters_file} does not exist)"
-    raw = json.loads(parameters_file.read_text(encoding="utf-8"))
-    theirs: Qwen3DenseParameters
-    family = "qwen3_moe" if "num_experts" in raw else "qwen3_dense"
-    theirs = (
-        Qwen3MoeParameters.model_validate(raw) if family == "qwen3_moe" else Qwen3DenseParameters.model_validate(raw)
-    )
+    theirs = read_parameters(convert_checkpoint)
     ours = config.model.parameters
-    if family != config.model.kind or theirs != ours:
+    if model_kind(theirs) != config.model.kind or theirs != ours:
         return None, (
-            f"random initialisation (the convert output is a {family} with vocab_size={theirs.vocab_size}, "
+            f"random initialisation (the convert output is a {model_kind(theirs)} with vocab_size={theirs.vocab_size}, "
             f"hidden_size={theirs.hidden_size}; pretrain.model is a {config.model.kind} with "
             f"vocab_size={ours.vocab_size}, hidden_size={ours.hidden_size})"
         )
@@ -130,20 +99,14 @@ def plan_pretrain(
     )
 
 
-def rank_config(plan: PretrainPlan, checkpoints: Path) -> PretrainConfig:
-    """The rank program's config for this plan, checkpointing into `checkpoints`."""
-    config = plan.config
-    return PretrainConfig(
-        model=config.model,
-        data=PretrainDataConfig(shards=plan.train_shards, seq_len=config.seq_len, shuffle_seed=config.shuffle_seed),
-        trainer=config.trainer_config(checkpoints),
-        degrees=config.degrees,
-        data_parallel=config.data_parallel,
-        optimizer=config.optimizer,
-        lr_schedule=config.lr_schedule,
-        init_from=plan.init_from,
-        device=config.device,
-        tracker=tracker_config(config.tracker, checkpoints.parent),
+def rank_config(plan: PretrainPlan, checkpoints: Path) -> PretrainRankConfig:
+    """The rank program's config for this plan: the section unchanged, checkpointing into `checkpoints`."""
+    return PretrainRankConfig(
+        stage=plan.config,
+        train_shards=plan.train_shards,
+        checkpoints=checkpoints,
+        init_weights=plan.init_from,
+        tracker=tracker_config(plan.config.tracker, checkpoints.parent),
     )
 
 
@@ -246,3 +209,52 @@ def commit(
 
 def skipped(plan: PretrainPlan, completeness: Completeness) -> StageResult:
     return REPORTER.skipped(plan.output, completeness)
+
+
+def preflight(config: JobConfig) -> None:
+    section = config.pretrain
+    parameters = section.model.parameters
+    tokenizer = config.data_prep.tokenizer
+    vocab = tokenizer.vocab_size if isinstance(tokenizer, TrainBpeTokenizer) else None
+    if vocab is not None and parameters.vocab_size < vocab:
+        raise PreflightError(
+            f"pretrain.model.parameters.vocab_size={parameters.vocab_size} is smaller than "
+            f"data_prep.tokenizer.vocab_size={vocab}; token ids would fall outside the embedding table; set it to "
+            f"at least {vocab}"
+        )
+    if section.seq_len > parameters.max_position_embeddings:
+        raise PreflightError(
+            f"pretrain.seq_len={section.seq_len} exceeds pretrain.model.parameters.max_position_embeddings="
+            f"{parameters.max_position_embeddings}; lower seq_len or raise max_position_embeddings"
+        )
+    section.check_batch("pretrain")
+    section.check_schedule("pretrain")
+
+
+def _plan(config: JobConfig, progress: Progress) -> PretrainPlan:
+    return plan_pretrain(
+        config.pretrain,
+        config.pretrain_output,
+        train_shards=config.data_prep_output / "train",
+        convert_checkpoint=config.convert_output / "checkpoint",
+    )
+
+
+def _run(plan: PretrainPlan, directory: StageDirectory, progress: Progress) -> StageResult:
+    partial = directory.open_partial(plan.key)
+    progress.note(f"pretrain: {prepare_partial(partial, plan.key)} on {plan.config.nproc_per_node} ranks")
+    return commit(directory, partial, plan, run_pretrain_stage(plan, partial, progress))
+
+
+SPEC: StageSpec[PretrainPlan] = StageSpec(
+    name=STAGE_NAME,
+    section="pretrain",
+    summary="train the job's model on the train split into <workdir>/pretrain (job checkpoints, losses, the log)",
+    reads=lambda config: {"data-prep": config.data_prep_output},
+    output=lambda config: config.pretrain_output,
+    preflight=preflight,
+    plan=_plan,
+    describe=lambda plan: f"running; starts from {plan.init_note}",
+    run=_run,
+    skipped=skipped,
+)

@@ -14,8 +14,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from d9d.core.config.overrides import ConfigError
 
-class NonFiniteConfigError(ValueError):
+
+class NonFiniteConfigError(ConfigError):
     """A config value is inf or nan; the message names each field as `--set` spells it."""
 
 

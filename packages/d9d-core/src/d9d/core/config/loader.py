@@ -1,8 +1,8 @@
 """Load a pydantic config from YAML, JSON or TOML, apply `a.b=c` overrides, validate, dump.
 
 Overrides are parsed as YAML scalars/flow values (`lr=3e-4`, `units=[a, b]`, `name=null`), so they have the same
-types as the file. Unknown keys are rejected by the models themselves (`extra="forbid"`); a `--set` path through
-a key that is not a mapping fails here with the path named.
+types as the file. `load_config` checks each override's key against the model's fields before validating
+(`d9d.core.config.overrides`) and reports every problem as `ConfigError`, one line each, naming key and value.
 """
 
 from __future__ import annotations
@@ -14,33 +14,40 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from d9d.core.config.finite import require_finite
+from d9d.core.config.overrides import ConfigError, apply_override, format_validation_error, merge_config
 
 TConfig = TypeVar("TConfig", bound=BaseModel)
 
-SUFFIXES = (".yaml", ".yml", ".json", ".toml")
-
 
 def read_config_file(path: Path) -> dict[str, Any]:
-    """The raw mapping stored in a YAML, JSON or TOML file (chosen by suffix)."""
-    if path.suffix.lower() not in SUFFIXES:
-        raise ValueError(f"config file {path}: unknown suffix {path.suffix!r}; valid: {', '.join(SUFFIXES)}")
-    text = path.read_text(encoding="utf-8")
-    match path.suffix.lower():
-        case ".yaml" | ".yml":
-            data = yaml.safe_load(text)
-        case ".json":
-            data = json.loads(text)
-        case ".toml":
-            data = tomllib.loads(text)
-        case other:
-            raise ValueError(f"config file {path}: unknown suffix {other!r}; valid: {', '.join(SUFFIXES)}")
+    """The raw mapping stored in a YAML, JSON or TOML file (chosen by suffix; YAML for any other name).
+
+    Raises `ConfigError` naming the file when it is missing, unreadable, not parseable, or not a mapping."""
+    suffix = path.suffix.lower()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError as error:
+        raise ConfigError(f"config file {path} does not exist") from error
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"config file {path} is unreadable: {error}") from error
+    try:
+        match suffix:
+            case ".json":
+                data = json.loads(text)
+            case ".toml":
+                data = tomllib.loads(text)
+            case _:
+                data = yaml.safe_load(text)
+    except (yaml.YAMLError, json.JSONDecodeError, tomllib.TOMLDecodeError) as error:
+        kind = {".json": "JSON", ".toml": "TOML"}.get(suffix, "YAML")
+        raise ConfigError(f"config file {path} is not valid {kind}: {error}") from error
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ValueError(f"config file {path}: the top level must be a mapping, got {type(data).__name__}")
+        raise ConfigError(f"config file {path} must hold a mapping of keys, got a {type(data).__name__}")
     return data
 
 
@@ -71,20 +78,36 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[s
     return result
 
 
-def load_config(config_type: type[TConfig], path: Path | str | None = None, overrides: Sequence[str] = ()) -> TConfig:
-    """Validate `config_type` from an optional file plus overrides (pydantic's errors name the bad fields).
-
-    Raises:
-        NonFiniteConfigError: a float field is inf or nan (named as its dotted key path).
-    """
-    data = read_config_file(Path(path)) if path is not None else {}
-    config = config_type.model_validate(apply_overrides(data, overrides))
+def load_config(
+    config_type: type[TConfig],
+    path: Path | str | None = None,
+    overrides: Sequence[str] = (),
+    *,
+    defaults: Mapping[str, Any] | None = None,
+    source: str | None = None,
+) -> TConfig:
+    """`config_type` from `defaults` (e.g. a preset), the file at `path` merged over them section by section, then
+    each `key.path=value` override in order; validated once. Raises `ConfigError` naming every bad key and value
+    (`source` says where the values came from in the message); `NonFiniteConfigError` (a `ConfigError`) when a
+    float field is inf or nan."""
+    data = _deep_copy(defaults or {})
+    if path is not None:
+        data = merge_config(data, read_config_file(Path(path)))
+    for assignment in overrides:
+        data = apply_override(data, assignment, config_type)
+    try:
+        config = config_type.model_validate(data)
+    except ValidationError as error:
+        where = source or " and ".join(
+            part for part in (str(path) if path else "", "--set" if overrides else "") if part
+        )
+        raise ConfigError(format_validation_error(error, config_type, source=where or "defaults")) from error
     require_finite(config)
     return config
 
 
 def dump_config(config: BaseModel, path: Path | str) -> Path:
-    """Write `config` (JSON-compatible values) in the format the suffix names; returns the path."""
+    """Write `config` (JSON-compatible values) as YAML or JSON, by suffix; returns the path (TOML is read only)."""
     target = Path(path)
     data = config.model_dump(mode="json")
     match target.suffix.lower():
@@ -92,40 +115,11 @@ def dump_config(config: BaseModel, path: Path | str) -> Path:
             text = yaml.safe_dump(data, sort_keys=False)
         case ".json":
             text = json.dumps(data, indent=2) + "\n"
-        case ".toml":
-            text = _to_toml(data)
         case other:
-            raise ValueError(f"cannot dump to {target}: unknown suffix {other!r}; valid: {', '.join(SUFFIXES)}")
+            raise ValueError(f"cannot dump to {target}: unknown suffix {other!r}; valid: .yaml, .yml, .json")
     target.write_text(text, encoding="utf-8")
     return target
 
 
 def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:
     return {key: _deep_copy(value) if isinstance(value, Mapping) else value for key, value in data.items()}
-
-
-def _to_toml(data: Mapping[str, Any], prefix: str = "") -> str:
-    """A minimal TOML writer for pydantic dumps: scalars, lists of scalars, nested tables (no `None`)."""
-    scalars = [
-        f"{key} = {_toml_value(value, prefix + key)}"
-        for key, value in data.items()
-        if not isinstance(value, Mapping) and value is not None
-    ]
-    tables = [
-        f"\n[{prefix}{key}]\n" + _to_toml(value, f"{prefix}{key}.")
-        for key, value in data.items()
-        if isinstance(value, Mapping)
-    ]
-    return "\n".join(scalars) + ("\n" if scalars else "") + "".join(tables)
-
-
-def _toml_value(value: Any, where: str) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(item, where) for item in value) + "]"
-    raise ValueError(f"cannot write {where}={value!r} as TOML (only scalars, lists and tables)")

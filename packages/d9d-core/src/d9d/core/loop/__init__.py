@@ -8,7 +8,6 @@ from d9d.core.loop.events import (
     CheckpointStarted,
     CheckpointWritten,
     EventBus,
-    ExpertLoadsReduced,
     ForwardBackwardFinished,
     OptimizerStepped,
     StepFinished,
@@ -27,7 +26,7 @@ from d9d.core.loop.protocols import (
     ByteCountingTask,
     DataProvider,
     DataSource,
-    ExpertLoadBalancer,
+    EventSubscriber,
     Exporter,
     GradientClipper,
     GradientSync,
@@ -42,7 +41,7 @@ from d9d.core.loop.protocols import (
 from d9d.core.loop.schedule import AccumulationSchedule, ScheduleResult, StepSchedule
 from d9d.core.loop.synthetic import SyntheticTokenSource, TokenBatch, synthetic_global_batch
 from d9d.core.loop.trainer import NonFiniteStepError, Trainer, TrainerParts, TrainResult
-from d9d.core.loop.wiring import build_inference, build_trainer, dp_size_of
+from d9d.core.loop.wiring import build_trainer, dp_size_of
 
 __all__ = [
     "AccumulationSchedule",
@@ -57,8 +56,7 @@ __all__ = [
     "DataSource",
     "EvaluationResult",
     "EventBus",
-    "ExpertLoadBalancer",
-    "ExpertLoadsReduced",
+    "EventSubscriber",
     "Exporter",
     "ForwardBackwardFinished",
     "GradientClipper",
@@ -93,7 +91,6 @@ __all__ = [
     "TrainingFinished",
     "TrainingStarted",
     "ValidationFinished",
-    "build_inference",
     "build_trainer",
     "clip_grad_norm_torch",
     "dp_size_of",

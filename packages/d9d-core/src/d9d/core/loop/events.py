@@ -29,18 +29,19 @@ class StepStarted:
 
 @dataclass(frozen=True, kw_only=True)
 class ForwardBackwardFinished:
-    """After every micro-batch of the step went through forward and backward (gradients not yet reduced)."""
+    """After every micro-batch of the step went through forward and backward and the gradients are synchronised,
+    before clipping and the optimizer step.
+
+    A subscriber that keeps state in step across data-parallel ranks (e.g. d9d-models' MoE bias balancer) reduces
+    over `data_parallel_group` (the data- and context-parallel ranks; None: a single process) on `device`, and may
+    add what it measured to `metrics`: the loop logs them with the step's own metrics.
+    """
 
     step: int
     num_microbatches: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class ExpertLoadsReduced:
-    """Per MoE layer, tokens routed to each expert in this step, summed over data-parallel ranks."""
-
-    step: int
-    loads: dict[str, Any]  # name -> 1-D float32 tensor
+    data_parallel_group: Any = None  # torch.distributed.ProcessGroup | None (kept untyped: no torch import here)
+    device: Any = None  # torch.device
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)

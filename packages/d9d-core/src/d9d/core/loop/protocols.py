@@ -17,6 +17,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from d9d.core.dist import DistributedContext
+from d9d.core.loop.events import EventBus
 
 TBatch = TypeVar("TBatch")
 TBatch_contra = TypeVar("TBatch_contra", contravariant=True)
@@ -42,24 +43,17 @@ class ModelLoader(Protocol):
     def __call__(self, model: nn.Module) -> None: ...
 
 
-class ExpertLoadBalancer(Protocol):
-    """Auxiliary-loss-free MoE balancing: the loop sums each layer's expert loads over data- and context-parallel
-    ranks after backward and hands them back, so every rank applies the same bias update."""
+class EventSubscriber(Protocol):
+    """A part of the model that follows the loop through its events (e.g. d9d-models' MoE bias balancer on
+    `ForwardBackwardFinished`); `build_trainer` subscribes it to the trainer's bus."""
 
-    def local_loads(self) -> dict[str, torch.Tensor]:
-        """Tokens routed to each expert on this rank since the last `apply`, by MoE layer name (float32, 1-D)."""
-        ...
-
-    def apply(self, global_loads: Mapping[str, torch.Tensor]) -> None:
-        """Update the routing biases from the summed loads and reset the local counters."""
-        ...
+    def subscribe(self, events: EventBus) -> None: ...
 
 
 class AuxLossWeighting(Protocol):
     """Auxiliary losses a model adds to backward by itself (MoE load balancing, router z-loss; d9d-models'
     `AuxLossWeights`). The loop sets the weight before each step to one over the step's micro-batches on all
-    data- and context-parallel ranks, so the auxiliary loss that reaches the summed gradients is the micro-batches'
-    mean."""
+    data-parallel ranks, so the auxiliary loss that reaches the summed gradients is the micro-batches' mean."""
 
     def set_weight(self, weight: float) -> None: ...
 
@@ -75,8 +69,8 @@ class BuiltModel:
     model: nn.Module
     gradient_sync: GradientSync
     flops_per_token: float | None = None  # forward + backward model FLOPs per token, for MFU
-    load_balancer: ExpertLoadBalancer | None = None
     aux_losses: AuxLossWeighting | None = None
+    subscribers: tuple[EventSubscriber, ...] = ()
 
 
 class ModelProvider(Protocol):
@@ -163,7 +157,7 @@ __all__ = [
     "ByteCountingTask",
     "DataProvider",
     "DataSource",
-    "ExpertLoadBalancer",
+    "EventSubscriber",
     "Exporter",
     "GradientClipper",
     "GradientSync",

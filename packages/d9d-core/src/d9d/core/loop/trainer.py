@@ -38,7 +38,6 @@ from d9d.core.loop.events import (
     CheckpointStarted,
     CheckpointWritten,
     EventBus,
-    ExpertLoadsReduced,
     ForwardBackwardFinished,
     OptimizerStepped,
     StepFinished,
@@ -54,14 +53,13 @@ from d9d.core.loop.profiling import StepProfiler
 from d9d.core.loop.protocols import (
     AuxLossWeighting,
     DataSource,
-    ExpertLoadBalancer,
     Exporter,
     GradientClipper,
     GradientSync,
     Tracker,
     TrainTask,
 )
-from d9d.core.loop.reduce import sum_over, sum_tensors_over, token_group
+from d9d.core.loop.reduce import sum_over, token_group
 from d9d.core.loop.schedule import AccumulationSchedule, StepSchedule
 
 TBatch = TypeVar("TBatch")
@@ -84,7 +82,6 @@ class TrainerParts(Generic[TBatch]):
     clipper: GradientClipper = clip_grad_norm_torch
     tracker: Tracker | None = None
     flops_per_token: float | None = None
-    load_balancer: ExpertLoadBalancer | None = None
     aux_losses: AuxLossWeighting | None = None
 
 
@@ -274,8 +271,10 @@ class Trainer(Generic[TBatch]):
             parts.model, parts.task, microbatches, loss_scale=1.0 / global_tokens, backward=True
         )
         parts.gradient_sync.wait()
-        self.events.emit(ForwardBackwardFinished(step=step, num_microbatches=len(microbatches)))
-        load_metrics = self._balance_experts()
+        finished = ForwardBackwardFinished(
+            step=step, num_microbatches=len(microbatches), data_parallel_group=self._group, device=self.ctx.device
+        )
+        self.events.emit(finished)  # subscribers may add to `finished.metrics` (e.g. expert loads)
 
         params = [param for param in parts.model.parameters() if param.grad is not None]
         max_norm = self.config.max_grad_norm
@@ -311,7 +310,7 @@ class Trainer(Generic[TBatch]):
             "peak_memory_gib": peak_memory_gib(self.ctx.device),
             "skipped_steps": float(self.skipped_steps),
             **dict(zip(names, sums[1:], strict=True)),
-            **load_metrics,
+            **finished.metrics,
         }
         utilisation = mfu(
             tokens_per_second, parts.flops_per_token, self.config.peak_flops_per_device, self.ctx.world_size
@@ -343,20 +342,6 @@ class Trainer(Generic[TBatch]):
                 "learning rate, check the data, or resume from an earlier checkpoint"
             )
         return None
-
-    def _balance_experts(self) -> dict[str, float]:
-        """Sum expert loads over data- and context-parallel ranks, update the routing biases; returns max/mean load
-        per layer."""
-        balancer = self.parts.load_balancer
-        if balancer is None:
-            return {}
-        loads = sum_tensors_over(balancer.local_loads(), self._group, self.ctx.device)
-        balancer.apply(loads)
-        self.events.emit(ExpertLoadsReduced(step=self.step, loads=loads))
-        return {
-            f"expert_load_max_over_mean/{name}": float(load.max() / load.mean().clamp_min(1e-12))
-            for name, load in loads.items()
-        }
 
     def _maybe_validate(self) -> None:
         every, data = self.config.validation_every, self.parts.validation_data

@@ -9,7 +9,6 @@ from d9d.core.dist import DistributedContext
 from d9d.core.loop.config import TrainerConfig
 from d9d.core.loop.defaults import clip_grad_norm_torch
 from d9d.core.loop.events import EventBus
-from d9d.core.loop.inference import Inference
 from d9d.core.loop.protocols import (
     DataProvider,
     GradientClipper,
@@ -65,22 +64,9 @@ def build_trainer(
         clipper=clipper,
         tracker=tracker,
         flops_per_token=built.flops_per_token,
-        load_balancer=built.load_balancer,
         aux_losses=built.aux_losses,
     )
-    return Trainer(ctx, config, parts, events=events)
-
-
-def build_inference(
-    ctx: DistributedContext,
-    *,
-    model_provider: ModelProvider,
-    task: TrainTask[TBatch],
-    data_provider: DataProvider[TBatch],
-    microbatches_per_step: int,
-    loader: ModelLoader | None = None,
-    seed: int = 0,
-) -> Inference[TBatch]:
-    seed_everything(seed, ctx)
-    built = model_provider(ctx, loader)
-    return Inference(ctx, model=built.model, task=task, data=data_provider(ctx, microbatches_per_step))
+    trainer = Trainer(ctx, config, parts, events=events)
+    for subscriber in built.subscribers:
+        subscriber.subscribe(trainer.events)
+    return trainer

@@ -61,7 +61,10 @@ def load_model_state(
     start = time.perf_counter()
     targets = module.state_dict()
     mapper = mapper or Identity(list(targets))
-    dtensors = {name: tensor for name, tensor in targets.items() if is_dtensor(tensor)}
+    # Only the names the mapping produces are distributed: with strict=False the module may hold DTensors the
+    # checkpoint never has (LoRA adapters injected into a sharded base), and those must not be read from it.
+    produced = {name for group in mapper.state_dependency_groups() for name in group.outputs}
+    dtensors = {name: tensor for name, tensor in targets.items() if is_dtensor(tensor) and name in produced}
     full = Sequential([mapper, Distribute.like(dtensors)]) if dtensors else mapper
     checkpoint = CheckpointSource.open(source)
     plan = _plan(checkpoint, full, allow_unused=allow_unused)

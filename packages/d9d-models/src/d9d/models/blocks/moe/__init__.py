@@ -1,5 +1,6 @@
 """Mixture of experts: router, grouped experts, permutation, auxiliary losses, the layer."""
 
+from d9d.models.blocks.moe.balancing import MoeBiasBalancer, moe_bias_balancer
 from d9d.models.blocks.moe.capacity import drop_over_capacity, expert_capacity
 from d9d.models.blocks.moe.expert_parallel import parallelize_experts
 from d9d.models.blocks.moe.experts import GroupedLinear, GroupedSwiGLU, LocalShardGroupedMm
@@ -16,6 +17,7 @@ __all__ = [
     "GroupedSwiGLU",
     "LocalShardGroupedMm",
     "MoELayer",
+    "MoeBiasBalancer",
     "PermutedTokens",
     "RouterScoring",
     "RoutingResult",
@@ -27,6 +29,7 @@ __all__ = [
     "expert_load_metrics",
     "force_routing",
     "load_balancing_loss",
+    "moe_bias_balancer",
     "parallelize_experts",
     "permute_tokens",
     "router_z_loss",

@@ -1,4 +1,5 @@
-"""The data-preparation program: plan the work, get a tokenizer, tokenize in worker processes, index the shards.
+"""Data preparation in this process (not a torchrun rank program): plan the work, get a tokenizer, tokenize in worker
+processes, index the shards.
 
 Every finished piece (the tokenizer, each unit of tokenized text) is recorded in the stage's partial directory
 with the key it was made for, so an attempt that fails part-way loses nothing: the next one keeps what matches.
@@ -163,18 +164,25 @@ def run_data_prep(plan: DataPrepPlan, partial: PartialStage, *, progress: Progre
         if piece is not None:
             results[item.number] = _result_from_json(piece.data)
     pending = [item for item in items if item.number not in results]
+    reused = f" ({len(results)} finished by an earlier attempt)" if results else ""
     progress.note(
-        f"tokenizing {len(items)} units of about {plan.config.chunk_bytes // 1024} KiB of text "
-        f"({len(results)} finished by an earlier attempt) with {min(plan.config.workers, max(len(pending), 1))} "
-        "worker processes"
+        f"tokenizing {len(items)} units of about {plan.config.chunk_bytes // 1024} KiB of text{reused} with "
+        f"{min(plan.config.workers, max(len(pending), 1))} worker processes"
     )
     progress.start("tokenize", total=plan.text_bytes, unit="B")
-    progress.advance(sum(item.text_bytes for item in items if item.number in results), "earlier attempt")
+    if results:  # a fresh run reused nothing: no "earlier attempt" on its bar
+        progress.advance(sum(item.text_bytes for item in items if item.number in results), "earlier attempt")
     tokenize_started = time.perf_counter()
-    if pending:
-        _tokenize(pending, workers=plan.config.workers, partial=partial, keys=keys, results=results, progress=progress)
+    failed = True
+    try:
+        if pending:
+            _tokenize(
+                pending, workers=plan.config.workers, partial=partial, keys=keys, results=results, progress=progress
+            )
+        failed = False
+    finally:
+        progress.finish(failed=failed)
     tokenize_seconds = time.perf_counter() - tokenize_started
-    progress.finish()
     outputs = [TOKENIZER_FILE]
     split_stats: dict[str, dict[str, int]] = {}
     for split in SPLITS:
@@ -341,7 +349,7 @@ def _worker_context() -> multiprocessing.context.BaseContext:
     """
     context = multiprocessing.get_context("forkserver")
     # Takes effect when the fork server starts (the first pool in this process); later calls change nothing.
-    context.set_forkserver_preload(["d9d.flows.jobs.data_prep.program", "d9d.flows.jobs.data_prep.worker"])
+    context.set_forkserver_preload(["d9d.flows.jobs.data_prep.prepare", "d9d.flows.jobs.data_prep.worker"])
     return context
 
 
