@@ -324,6 +324,12 @@ class TokenShardIndex:
             "metadata": dict(self.metadata),
         }
 
+    def to_json_with_checksum(self) -> dict[str, Any]:
+        """`to_json` plus `index_crc32`, the CRC-32 of that content in canonical form, so that a damaged index
+        (a changed count or metadata value, not only a changed shard checksum) is refused when read."""
+        body = self.to_json()
+        return {**body, "index_crc32": _index_crc32(body)}
+
     @classmethod
     def read(cls, directory: Path) -> TokenShardIndex:
         path = directory / INDEX_FILENAME
@@ -331,6 +337,12 @@ class TokenShardIndex:
             raise TokenShardFormatError(f"{directory}: no {INDEX_FILENAME}; not a token shard set (or incomplete)")
         try:
             raw = json.loads(path.read_text(encoding="utf-8"))
+            recorded = raw.pop("index_crc32", None)
+            if recorded is not None and int(recorded) != _index_crc32(raw):
+                raise TokenShardFormatError(
+                    f"{path}: checksum mismatch (the index records crc32 {int(recorded):08x} of its content, which is "
+                    f"{_index_crc32(raw):08x}): the index is corrupt; {REBUILD_HINT}"
+                )
             if raw.get("format") != FORMAT_NAME:
                 raise TokenShardFormatError(f"{path}: format is {raw.get('format')!r}, expected {FORMAT_NAME!r}")
             if raw.get("version") not in READABLE_VERSIONS:
@@ -350,13 +362,25 @@ class TokenShardIndex:
                 )
                 for entry in raw["shards"]
             )
-            return cls(
+            index = cls(
                 dtype=raw["dtype"], shards=shards, metadata=dict(raw.get("metadata", {})), version=int(raw["version"])
             )
+            totals = {"num_documents": index.num_documents, "num_tokens": index.num_tokens, "num_bytes": index.num_bytes}
+            for name, total in totals.items():
+                if name in raw and int(raw[name]) != total:
+                    raise TokenShardFormatError(
+                        f"{path}: {name} is {raw[name]} but its shards sum to {total}: the index is corrupt; "
+                        f"{REBUILD_HINT}"
+                    )
+            return index
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             if isinstance(error, TokenShardFormatError):
                 raise
             raise TokenShardFormatError(f"{path}: malformed index ({error!r})") from error
+
+
+def _index_crc32(body: Mapping[str, Any]) -> int:
+    return zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode("utf-8"))
 
 
 def write_token_shard_index(
@@ -374,7 +398,7 @@ def write_token_shard_index(
             raise FileNotFoundError(f"shard {name} listed for the index of {directory} does not exist")
     staging = directory / f".{INDEX_FILENAME}.tmp"
     with staging.open("w", encoding="utf-8") as handle:
-        handle.write(json.dumps(index.to_json(), indent=2) + "\n")
+        handle.write(json.dumps(index.to_json_with_checksum(), indent=2) + "\n")
         handle.flush()
         os.fsync(handle.fileno())  # durable before the rename makes it the index (the shards fsync on close)
     staging.replace(directory / INDEX_FILENAME)
