@@ -365,7 +365,11 @@ class TokenShardIndex:
             index = cls(
                 dtype=raw["dtype"], shards=shards, metadata=dict(raw.get("metadata", {})), version=int(raw["version"])
             )
-            totals = {"num_documents": index.num_documents, "num_tokens": index.num_tokens, "num_bytes": index.num_bytes}
+            totals = {
+                "num_documents": index.num_documents,
+                "num_tokens": index.num_tokens,
+                "num_bytes": index.num_bytes,
+            }
             for name, total in totals.items():
                 if name in raw and int(raw[name]) != total:
                     raise TokenShardFormatError(
