@@ -26,7 +26,6 @@ from loop_workload import (
     BIAS_RATE,
     SEQ,
     VOCAB,
-    MoeBiasBalancer,
     build_tiny,
     build_tiny_trainer,
     lr_provider,
@@ -34,8 +33,9 @@ from loop_workload import (
 )
 
 from d9d.core.dist import DistributedContext, MeshDegrees
-from d9d.core.loop import EventBus, OptimizerStepped
+from d9d.core.loop import EventBus, ForwardBackwardFinished, OptimizerStepped
 from d9d.models import materialize_
+from d9d.models.blocks.moe import MoeBiasBalancer
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:FSDP2-wrapped module.*returned a view tensor:UserWarning"),
@@ -66,7 +66,7 @@ def _reference(family: str) -> tuple[list[float], list[float], dict[str, torch.T
         loss = model(batch.input_ids, labels=batch.labels).losses.sum() / (batch.labels != -100).sum()
         loss.backward()
         if balancer is not None:
-            balancer.apply(balancer.local_loads())
+            balancer.balance(ForwardBackwardFinished(step=step + 1, num_microbatches=1))
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)))
         optimizer.step()
         scheduler.step()
