@@ -134,7 +134,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--every", type=int, default=2)
-    parser.add_argument("--timeout-s", type=float, default=10.0)
+    parser.add_argument("--timeout-s", type=float, default=30.0)  # also the rendezvous: slow imports on a busy host
     args = parser.parse_args()
     with DistributedContext.build(
         MeshDegrees(dp_shard=-1), device="cpu", timeout=timedelta(seconds=args.timeout_s)

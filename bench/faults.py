@@ -175,7 +175,8 @@ def inject(kind: str, work: Path, rng: random.Random) -> tuple[str, bool | None]
             return f"rank {rank} step {step}: exit {code}", None
         case "kill-launcher" | "sigterm":
             process = _start(work)
-            _wait_for_checkpoint(work, process, at_least=rng.choice([2, 4]))
+            if not _wait_for_checkpoint(work, process, at_least=rng.choice([2, 4])):
+                return f"the run ended before the signal (exit {_wait(process)})", None
             if kind == "kill-launcher":
                 os.kill(process.pid, signal.SIGKILL)
                 process.wait()
@@ -263,7 +264,11 @@ def main() -> int:
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     parser.add_argument("--root", type=Path, help="keep trials here (default: a temporary directory)")
     parser.add_argument("--json", type=Path, help="write every trial as JSON here")
-    parser.add_argument("--append-docs", action="store_true", help="append the table to docs/reliability.md")
+    parser.add_argument(
+        "--append-docs",
+        action="store_true",
+        help="add the table at the end of docs/reliability.md's fault campaign section",
+    )
     args = parser.parse_args()
     root = args.root or Path(tempfile.mkdtemp(prefix="d9d-faults-"))
     root.mkdir(parents=True, exist_ok=True)
@@ -300,8 +305,11 @@ def main() -> int:
             f"\n`python bench/faults.py --trials {args.trials} --seed {args.seed}` ({stamp}, {minutes:.0f} min, "
             f"CPU, {NPROC} gloo ranks):\n\n"
         )
-        with docs.open("a", encoding="utf-8") as handle:
-            handle.write(heading + summary + "\n")
+        text = docs.read_text(encoding="utf-8")
+        start = text.index("\n## Fault campaign\n")
+        end = text.find("\n## ", start + 1)
+        end = len(text) if end < 0 else end
+        docs.write_text(text[:end].rstrip("\n") + "\n" + heading + summary + "\n" + text[end:], encoding="utf-8")
     if args.root is None:
         shutil.rmtree(root, ignore_errors=True)
     bad = [t for t in trials if not t.recovered or t.lost_data or t.corrupt_accepted or t.orphans or t.outside_changed]

@@ -11,6 +11,8 @@ from d9d.models.blocks.moe import (
     MoELayer,
     RouterScoring,
     TopKRouter,
+    drop_over_capacity,
+    expert_load_metrics,
     force_routing,
     load_balancing_loss,
     permute_tokens,
@@ -30,14 +32,16 @@ def _moe(**overrides):
     return layer
 
 
-def _loop_reference(layer, x):
-    """Each token through each of its chosen experts, one at a time."""
+def _loop_reference(layer, x, kept=None):
+    """Each token through each of its chosen experts, one at a time (only the copies in `kept`, if given)."""
     flat = x.reshape(-1, x.shape[-1])
     routing = layer.router(flat)
     out = torch.zeros_like(flat)
     experts = layer.experts
     for t in range(flat.shape[0]):
         for slot in range(routing.expert_indices.shape[1]):
+            if kept is not None and not kept[t, slot]:
+                continue
             e = routing.expert_indices[t, slot]
             gate = functional.linear(flat[t], experts.gate_proj.weight[e])
             up = functional.linear(flat[t], experts.up_proj.weight[e])
@@ -152,3 +156,38 @@ def test_forced_routing_replays_choices_and_keeps_router_gradients():
     assert layer.router.forced_indices is None
     assert layer.router.weight.grad is not None and layer.router.weight.grad.abs().sum() > 0
     assert layer.tokens_per_expert.tolist() == [2, 1, 1, 1, 1, 2]
+
+
+def test_capacity_drops_the_copies_beyond_each_experts_limit_in_token_order():
+    indices = torch.tensor([[0, 1], [0, 2], [0, 1], [1, 0]])
+    # capacity = ceil(0.75 * 4 tokens * 2 / 3 experts) = 2 copies per expert
+    dropped = drop_over_capacity(indices, num_experts=3, capacity_factor=0.75)
+    assert dropped.tolist() == [[0, 1], [0, 2], [-1, 1], [-1, -1]]
+    assert torch.equal(drop_over_capacity(indices, num_experts=3, capacity_factor=10.0), indices)
+
+
+def test_layer_with_capacity_factor_drops_copies_and_counts_what_the_router_chose():
+    x = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(1))
+    roomy, tight = _moe(capacity_factor=100.0), _moe(capacity_factor=0.5)
+    torch.testing.assert_close(roomy(x), _moe()(x), atol=0, rtol=0)
+    out = tight(x)
+    routing = tight.router(x.reshape(-1, 16))
+    kept = drop_over_capacity(routing.expert_indices, 6, 0.5) >= 0
+    assert not bool(kept.all()), "the test needs copies over capacity"
+    torch.testing.assert_close(out, _loop_reference(tight, x, kept), atol=1e-5, rtol=1e-5)
+    expected_load = torch.bincount(routing.expert_indices.reshape(-1), minlength=6).float()
+    assert torch.equal(tight.tokens_per_expert, expected_load)
+    out.sum().backward()
+    assert tight.router.weight.grad is not None
+
+
+def test_capacity_factor_must_be_positive():
+    with pytest.raises(ValueError, match="capacity_factor must be positive"):
+        _moe(capacity_factor=0.0)
+
+
+def test_expert_load_metrics_give_shares_and_imbalance():
+    metrics = expert_load_metrics({"1": torch.tensor([6.0, 2.0, 0.0, 0.0]), "0": torch.zeros(2)})
+    assert metrics["expert_load/1/0"] == 0.75 and metrics["expert_load/1/2"] == 0.0
+    assert metrics["expert_imbalance/1"] == 3.0
+    assert metrics["expert_load/0/1"] == 0.0 and metrics["expert_imbalance/0"] == 0.0

@@ -79,15 +79,12 @@ def test_parallel_plan_matches_single_process(family, strategy):
 
 
 @pytest.mark.distributed(world_size=2)
-def test_tensor_context_and_expert_parallel_degrees_are_refused_clearly():
-    params = qwen3_moe_parameters_from_hf(MOE_HF)
-    for degrees, named in (
-        (MeshDegrees(cp=2), "cp=2"),
-        (MeshDegrees(dp_shard=2, ep=2), "ep=2"),
-    ):
-        ctx = DistributedContext.build(degrees)
-        with pytest.raises(NotImplementedError, match=f"{named} is not supported yet"):
-            parallelize_qwen3_moe(_build(Qwen3MoeForCausalLM, params), ctx, FsdpConfig())
+def test_dense_expert_parallel_degrees_are_refused_clearly():
+    # Expert parallelism needs experts: a dense model refuses it.
+    ctx = DistributedContext.build(MeshDegrees(dp_shard=2, ep=2))
+    dense = _build(Qwen3DenseForCausalLM, qwen3_dense_parameters_from_hf(DENSE_HF))
+    with pytest.raises(NotImplementedError, match="ep=2 is not supported yet"):
+        parallelize_qwen3_dense(dense, ctx, FsdpConfig())
 
 
 def test_model_output_is_a_pytree_so_fsdp_hooks_its_tensors():

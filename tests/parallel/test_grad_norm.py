@@ -137,3 +137,21 @@ def test_norm_sums_over_pipeline_stages_passed_as_across():
     across = dense.get_group("pp")
     expected = torch.cat([torch.arange(1.0, 7.0), 2 * torch.arange(1.0, 7.0)]).norm()
     assert total_grad_norm([param], across=across).item() == pytest.approx(expected.item(), rel=1e-6)
+
+
+@pytest.mark.distributed(world_size=4, timeout=120)
+def test_norm_counts_expert_parallel_params_fsdp_sharded_again_once():
+    # Experts Shard(0) over ep=2, then FSDP over ep_replicate=2: FSDP2 labels the first dimension `_StridedShard`,
+    # which recent PyTorch does not derive from `Shard`; the norm must still reduce over both dimensions.
+    from d9d.parallel import shard_experts
+
+    ctx = DistributedContext.build(MeshDegrees(dp_shard=4, ep=2))
+    experts = nn.Module()
+    experts.weight = nn.Parameter(torch.arange(8 * 3 * 2, dtype=torch.float32).view(8, 3, 2) / 10)
+    full = experts.weight.detach().clone()
+    shard_experts(experts, ctx.mesh_for(MeshDomain.EXPERT)["ep_replicate", "ep"], num_experts=8)
+    assert isinstance(experts.weight, DTensor)
+    experts.weight.grad = experts.weight.detach().clone()
+    for norm_type in NORM_TYPES:
+        expected = torch.linalg.vector_norm(full, norm_type)
+        torch.testing.assert_close(total_grad_norm([experts.weight], norm_type), expected, rtol=1e-6, atol=0)

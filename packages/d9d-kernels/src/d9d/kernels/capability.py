@@ -27,7 +27,7 @@ class Capabilities:
         return self.cuda_capability is not None and self.cuda_capability >= (major, minor)
 
 
-OPTIONAL_PACKAGES = ("flash_attn", "grouped_gemm", "triton")
+OPTIONAL_PACKAGES = ("deep_ep", "flash_attn", "grouped_gemm", "triton")
 
 
 def detect_capabilities(device: torch.device | str | None = None) -> Capabilities:

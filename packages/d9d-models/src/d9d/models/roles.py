@@ -14,6 +14,7 @@ ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
 class Role(enum.StrEnum):
     EMBEDDING = "embedding"
+    ATTENTION = "attention"
     DECODER_LAYER = "decoder_layer"
     LM_HEAD = "lm_head"
     MOE = "moe"

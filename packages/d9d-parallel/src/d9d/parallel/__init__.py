@@ -1,4 +1,5 @@
-"""Horizontal parallelism for d9d: replicate, FSDP, HSDP, exact gradient-norm clipping, module selection.
+"""Horizontal parallelism for d9d: replicate, FSDP, HSDP, expert parallel, exact gradient-norm clipping, module
+selection.
 
 Every style is a function on a module and a mesh. Data parallelism reduces gradients by sum; divide the loss by the
 step's global token count.
@@ -12,6 +13,7 @@ from d9d.parallel.config import (
     ReplicateConfig,
     build_data_parallel,
 )
+from d9d.parallel.expert_parallel import check_expert_parallel_degrees, shard_experts
 from d9d.parallel.fully_sharded import parallelize_fsdp, parallelize_hsdp, use_sum_reduction
 from d9d.parallel.grad_norm import clip_grad_norm_, total_grad_norm
 from d9d.parallel.grad_sync import DeferredGradientSynchronizer, GradientSynchronizer
@@ -38,6 +40,7 @@ __all__ = [
     "ReplicateHandle",
     "assign_role",
     "build_data_parallel",
+    "check_expert_parallel_degrees",
     "clip_grad_norm_",
     "parallelize_fsdp",
     "parallelize_hsdp",
@@ -45,6 +48,7 @@ __all__ = [
     "replicated_parameters",
     "roles_of",
     "select_modules",
+    "shard_experts",
     "total_grad_norm",
     "use_sum_reduction",
 ]

@@ -9,7 +9,7 @@ from torch import nn
 from d9d.core.dist import DistributedContext
 from d9d.core.loop.evaluation import EvaluationResult, evaluate
 from d9d.core.loop.protocols import DataSource, TrainTask
-from d9d.core.loop.reduce import dp_group
+from d9d.core.loop.reduce import token_group
 from d9d.core.loop.schedule import AccumulationSchedule, StepSchedule
 
 TBatch = TypeVar("TBatch")
@@ -27,7 +27,7 @@ class Inference(Generic[TBatch]):
     ) -> None:
         self.model, self.task, self.data = model, task, data
         self.schedule = schedule or AccumulationSchedule()
-        self._group = dp_group(ctx)
+        self._group = token_group(ctx)
         self._device = ctx.device if ctx is not None else None
 
     def run(self, steps: int) -> EvaluationResult:

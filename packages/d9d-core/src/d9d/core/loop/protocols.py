@@ -43,8 +43,8 @@ class ModelLoader(Protocol):
 
 
 class ExpertLoadBalancer(Protocol):
-    """Auxiliary-loss-free MoE balancing: the loop sums each layer's expert loads over data-parallel ranks after
-    backward and hands them back, so every rank applies the same bias update."""
+    """Auxiliary-loss-free MoE balancing: the loop sums each layer's expert loads over data- and context-parallel
+    ranks after backward and hands them back, so every rank applies the same bias update."""
 
     def local_loads(self) -> dict[str, torch.Tensor]:
         """Tokens routed to each expert on this rank since the last `apply`, by MoE layer name (float32, 1-D)."""
@@ -58,7 +58,8 @@ class ExpertLoadBalancer(Protocol):
 class AuxLossWeighting(Protocol):
     """Auxiliary losses a model adds to backward by itself (MoE load balancing, router z-loss; d9d-models'
     `AuxLossWeights`). The loop sets the weight before each step to one over the step's micro-batches on all
-    data-parallel ranks, so the auxiliary loss that reaches the summed gradients is the micro-batches' mean."""
+    data- and context-parallel ranks, so the auxiliary loss that reaches the summed gradients is the micro-batches'
+    mean."""
 
     def set_weight(self, weight: float) -> None: ...
 

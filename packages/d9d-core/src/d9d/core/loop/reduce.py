@@ -16,6 +16,20 @@ def dp_group(ctx: DistributedContext | None) -> dist.ProcessGroup | None:
     return ctx.mesh_for(MeshDomain.BATCH)["dp"].get_group()
 
 
+def token_group(ctx: DistributedContext | None) -> dist.ProcessGroup | None:
+    """The group of ranks that hold different *tokens*: the data-parallel ranks times the context-parallel ranks
+    (each cp rank holds a shard of its data-parallel rank's sequences). Sum token counts and losses over this group;
+    split rows over `dp_group` (None: single process)."""
+    if ctx is None or ctx.world_size == 1:
+        return None
+    mesh = ctx.mesh_for(MeshDomain.BATCH)
+    if ctx.degrees.cp == 1:
+        return mesh["dp"].get_group()
+    if ctx.degrees.dp == 1:
+        return mesh["cp"].get_group()
+    return mesh["dp", "cp"]._flatten("dp_cp").get_group()  # torch caches it: one group however often asked
+
+
 def sum_over(values: list[float], group: dist.ProcessGroup | None, device: torch.device | None = None) -> list[float]:
     """Element-wise sums over `group`, in float64 (exact for token counts below 2**53), communicated on `device`
     (the process group's device: CUDA for NCCL)."""

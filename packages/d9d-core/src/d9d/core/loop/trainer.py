@@ -1,15 +1,15 @@
 """The `Trainer`: one optimizer step per iteration over injected parts, with events, checkpoints and resume.
 
-Per step: the data source gives this rank's micro-batches; their counted tokens are summed over data-parallel ranks
-*before* forward; each micro-batch's summed loss is scaled by one over that global count and backpropagated, so
-the summed (never averaged) data-parallel gradients equal one big batch's exactly. Then gradient sync, clipping,
-the step's loss reduction, the non-finite guard, optimizer and LR step, logging, validation, checkpoint. SIGTERM on
-any rank makes every rank finish the step, checkpoint and return.
+Per step: the data source gives this rank's micro-batches; their counted tokens are summed over every rank that holds
+different tokens (data-parallel times context-parallel ranks) *before* forward; each micro-batch's summed loss is
+scaled by one over that global count and backpropagated, so the summed (never averaged) data-parallel gradients equal
+one big batch's exactly. Then gradient sync, clipping, the step's loss reduction, the non-finite guard, optimizer and
+LR step, logging, validation, checkpoint. SIGTERM on any rank makes every rank finish the step, checkpoint and return.
 
 The non-finite guard needs no synchronisation of its own: the gradient norm is already a host number identical on
 every rank (the clipper reduces it over the whole mesh, and one rank's non-finite gradient makes it non-finite
-everywhere), and the step's loss reduction over the data-parallel ranks, which the loop always did to log the loss,
-now runs before the optimizer step instead of after it (ranks outside a data-parallel group, tensor-parallel peers,
+everywhere), and the step's loss reduction over the data- and context-parallel ranks, which the loop always did to
+log the loss, now runs before the optimizer step instead of after it (ranks outside that group, tensor-parallel peers,
 compute the same loss). Every rank therefore takes the same skip-or-step decision from the same two numbers.
 """
 
@@ -61,7 +61,7 @@ from d9d.core.loop.protocols import (
     Tracker,
     TrainTask,
 )
-from d9d.core.loop.reduce import dp_group, sum_over, sum_tensors_over
+from d9d.core.loop.reduce import sum_over, sum_tensors_over, token_group
 from d9d.core.loop.schedule import AccumulationSchedule, StepSchedule
 
 TBatch = TypeVar("TBatch")
@@ -118,8 +118,9 @@ class Trainer(Generic[TBatch]):
         self.parts = parts
         self.events = events or EventBus()
         self.step = 0
-        self._group = dp_group(ctx)
-        self._dp_size = ctx.world_size if self._group is None else self._group.size()
+        self._group = token_group(ctx)  # sums of tokens, losses, metrics and expert loads
+        self._dp_size = ctx.degrees.dp  # rows of the global batch split over these; cp ranks share their rows
+        self._token_ranks = self._dp_size * ctx.degrees.cp
         config.microbatches_per_step(self._dp_size)  # fail now, naming the sizes, if the batch does not split
         self._validation_start = parts.validation_data.state_dict() if parts.validation_data is not None else {}
         checkpointing = config.checkpointing
@@ -264,9 +265,10 @@ class Trainer(Generic[TBatch]):
             raise ValueError(f"step {step}: the global batch has no counted tokens (every label ignored?)")
         parts.optimizer.zero_grad(set_to_none=True)
         if parts.aux_losses is not None:
-            # Every micro-batch routes the same number of tokens (rows x seq_len), so their plain mean over all
-            # ranks is the token-weighted mean: one big batch's z-loss, the micro-batches' mean balance loss.
-            parts.aux_losses.set_weight(1.0 / (len(microbatches) * self._dp_size))
+            # Every micro-batch routes the same number of tokens (rows x seq_len, a 1/cp share of it on each cp
+            # rank), so their plain mean over all dp x cp ranks is the token-weighted mean: one big batch's z-loss,
+            # the mean balance loss of the micro-batches' shards.
+            parts.aux_losses.set_weight(1.0 / (len(microbatches) * self._token_ranks))
         parts.gradient_sync.begin_step(len(microbatches))
         result = parts.schedule.run(
             parts.model, parts.task, microbatches, loss_scale=1.0 / global_tokens, backward=True
@@ -343,7 +345,8 @@ class Trainer(Generic[TBatch]):
         return None
 
     def _balance_experts(self) -> dict[str, float]:
-        """Sum expert loads over data-parallel ranks, update the routing biases; returns max/mean load per layer."""
+        """Sum expert loads over data- and context-parallel ranks, update the routing biases; returns max/mean load
+        per layer."""
         balancer = self.parts.load_balancer
         if balancer is None:
             return {}

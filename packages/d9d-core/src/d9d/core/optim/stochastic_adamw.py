@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from d9d.core.optim.stochastic_rounding import copy_stochastic_
@@ -136,4 +136,9 @@ def _shard_coordinate(param: torch.Tensor) -> tuple[int, ...]:
     if not isinstance(param, DTensor):
         return ()
     coordinate = tuple(param.device_mesh.get_coordinate() or ())
-    return tuple(coordinate[dim] for dim, placement in enumerate(param.placements) if isinstance(placement, Shard))
+    # Not `isinstance(placement, Shard)`: FSDP over an expert-parallel dimension yields `_StridedShard`, no `Shard`.
+    return tuple(
+        coordinate[dim]
+        for dim, placement in enumerate(param.placements)
+        if not placement.is_replicate() and not placement.is_partial()
+    )

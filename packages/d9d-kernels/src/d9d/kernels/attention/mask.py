@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, eq=False)
@@ -25,6 +29,15 @@ class AttentionMask:
     def is_plain_causal(self) -> bool:
         """Nothing but causal masking: backends can use their built-in causal mode and no mask tensor."""
         return self.causal and self.document_ids is None
+
+    def derived(self, key: str, build: Callable[[], T]) -> T:
+        """`build()` once per mask, cached under `key`: forms of the mask every layer shares (e.g. the document ids
+        of a whole context-parallel sequence, gathered once per forward pass instead of once per layer)."""
+        cache_key = f"derived:{key}"
+        if cache_key not in self._cache:
+            self._cache[cache_key] = build()
+        value: T = self._cache[cache_key]  # type: ignore[assignment]  # stored by this method under this key
+        return value
 
     def dense(self, seq_len: int, device: torch.device) -> torch.Tensor | None:
         """A boolean mask broadcastable to `(batch, heads, seq, seq)`, `True` where attention is allowed.

@@ -66,6 +66,9 @@ class DecoderBackbone(nn.Module):
             set_activation_checkpointing(layer, config.checkpoints_layer(index))
             self.layers[str(index)] = layer
         self.norm = RMSNorm(params.hidden_size, eps=params.rms_norm_eps) if stage.is_last else None
+        # Set by a context-parallel plan: each rank then holds a shard of every sequence, whose positions cannot be
+        # derived locally (see d9d.parallel.context.shard_batch_for_context).
+        self.sequence_sharded = False
 
     def forward(
         self,
@@ -87,6 +90,12 @@ class DecoderBackbone(nn.Module):
                 f"stage {self.stage.index} of {self.stage.count} needs hidden_states from the previous stage"
             )
         batch, seq = hidden.shape[:2]
+        if self.sequence_sharded and position_ids is None:
+            raise ValueError(
+                "this model runs context-parallel (each rank holds a shard of every sequence), so the batch must "
+                "carry position_ids computed on the full sequence; prepare batches with "
+                "d9d.parallel.context.shard_batch_for_context or ContextParallelDataSource"
+            )
         positions = resolve_positions(batch, seq, hidden.device, position_ids, document_ids)
         rope = self.rotary_emb(positions, hidden.dtype)
         mask = causal_mask(document_ids)

@@ -13,11 +13,12 @@ from d9d.models.blocks.norm import RMSNorm
 from d9d.models.blocks.rope import RopeTables, RotaryEmbedding
 from d9d.models.config import DecoderConfig
 from d9d.models.qwen3.params import Qwen3DenseParameters
+from d9d.models.roles import Role, with_role
 from d9d.models.stage import SINGLE_STAGE, PipelineStage
 
 
 def build_attention(params: Qwen3DenseParameters, backend: AttentionBackend) -> GroupedQueryAttention:
-    return GroupedQueryAttention(
+    attention = GroupedQueryAttention(
         hidden_size=params.hidden_size,
         num_heads=params.num_attention_heads,
         num_kv_heads=params.num_key_value_heads,
@@ -28,6 +29,7 @@ def build_attention(params: Qwen3DenseParameters, backend: AttentionBackend) -> 
         bias=params.attention_bias,
         init_std=params.init_std,
     )
+    return with_role(attention, Role.ATTENTION)
 
 
 def build_rotary(params: Qwen3DenseParameters) -> RotaryEmbedding:

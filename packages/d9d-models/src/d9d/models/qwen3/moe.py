@@ -19,7 +19,8 @@ from d9d.models.roles import Role, with_role
 from d9d.models.stage import SINGLE_STAGE, PipelineStage
 
 
-def build_moe(params: Qwen3MoeParameters, grouped_mm: GroupedMm) -> MoELayer:
+def build_moe(params: Qwen3MoeParameters, grouped_mm: GroupedMm, config: DecoderConfig | None = None) -> MoELayer:
+    config = config or DecoderConfig()
     moe = MoELayer(
         hidden_size=params.hidden_size,
         num_experts=params.num_experts,
@@ -33,6 +34,8 @@ def build_moe(params: Qwen3MoeParameters, grouped_mm: GroupedMm) -> MoELayer:
         load_balancing_coef=params.load_balancing_coef,
         z_loss_coef=params.z_loss_coef,
         init_std=params.init_std,
+        capacity_factor=config.moe_capacity_factor,
+        dispatch_config=config.expert_dispatch,
     )
     with_role(moe.experts, Role.EXPERTS)
     return with_role(moe, Role.MOE)
@@ -42,14 +45,19 @@ class Qwen3MoeLayer(nn.Module):
     """Pre-norm attention, then a pre-norm MoE (or, on dense layers, a SwiGLU), each with a residual."""
 
     def __init__(
-        self, params: Qwen3MoeParameters, index: int, attention: AttentionBackend, grouped_mm: GroupedMm
+        self,
+        params: Qwen3MoeParameters,
+        index: int,
+        attention: AttentionBackend,
+        grouped_mm: GroupedMm,
+        config: DecoderConfig | None = None,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(params.hidden_size, eps=params.rms_norm_eps)
         self.self_attn = build_attention(params, attention)
         self.post_attention_layernorm = RMSNorm(params.hidden_size, eps=params.rms_norm_eps)
         self.mlp: MoELayer | SwiGLU = (
-            build_moe(params, grouped_mm)
+            build_moe(params, grouped_mm, config)
             if params.is_moe_layer(index)
             else SwiGLU(params.hidden_size, params.intermediate_size, init_std=params.init_std)
         )
@@ -78,7 +86,7 @@ class Qwen3MoeModel(DecoderBackbone):
             config=config,
             stage=stage,
             rotary=build_rotary(params),
-            build_layer=lambda index: Qwen3MoeLayer(params, index, attention, grouped_mm),
+            build_layer=lambda index: Qwen3MoeLayer(params, index, attention, grouped_mm, config),
         )
 
     def moe_layers(self) -> dict[str, MoELayer]:

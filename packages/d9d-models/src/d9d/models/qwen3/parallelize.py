@@ -3,7 +3,9 @@
 `parallelize_qwen3_dense` and `parallelize_qwen3_moe` run the same steps in this order:
 
 1. tensor + sequence parallelism on the `tp` dimension of the dense mesh (`tensor_parallel.py`, a plan per family);
-2. (context and expert parallelism add their steps here);
+2. expert parallelism (Qwen3-MoE, `ep > 1`): experts sharded over the expert domain, tokens dispatched
+   (`parallelize_experts`); context parallelism (`parallelize_context`) swaps a sequence-sharded attention into
+   every attention layer before it (batches are sharded by `d9d.parallel.context`);
 3. data parallelism (replicate, FSDP, HSDP) on `(dp_replicate, dp_cp_shard)`, last, because FSDP wraps the DTensors
    the earlier steps made.
 
@@ -22,6 +24,8 @@ from torch import nn
 
 from d9d.core.dist import DistributedContext
 from d9d.core.dist.domains import MeshDomain
+from d9d.models.blocks.context_parallel import parallelize_context
+from d9d.models.blocks.moe import parallelize_experts
 from d9d.models.qwen3.tensor_parallel import (
     TensorParallelConfig,
     TensorParallelPlan,
@@ -43,6 +47,7 @@ from d9d.parallel import (
     parallelize_hsdp,
     select_modules,
 )
+from d9d.parallel.context import ContextParallelConfig
 
 DEFAULT_UNIT_ROLES = [str(Role.DECODER_LAYER), str(Role.EMBEDDING), str(Role.LM_HEAD)]
 
@@ -53,10 +58,11 @@ class Qwen3FamilyPlan:
 
     name: str
     tensor_parallel: Callable[[nn.Module], TensorParallelPlan]
+    has_experts: bool = False
 
 
 DENSE = Qwen3FamilyPlan(name="parallelize_qwen3_dense", tensor_parallel=qwen3_dense_tp_plan)
-MOE = Qwen3FamilyPlan(name="parallelize_qwen3_moe", tensor_parallel=qwen3_moe_tp_plan)
+MOE = Qwen3FamilyPlan(name="parallelize_qwen3_moe", tensor_parallel=qwen3_moe_tp_plan, has_experts=True)
 
 
 def parallelize_qwen3_dense(
@@ -65,6 +71,7 @@ def parallelize_qwen3_dense(
     config: AnyDataParallelConfig,
     *,
     tensor_parallel: TensorParallelConfig | None = None,
+    context: ContextParallelConfig | None = None,
 ) -> GradientSync:
     """Apply the topology of `ctx` and `config` to a (stage of a) Qwen3 dense model built on the meta device, before
     `materialize_`. Returns what the training loop drives per step (`begin_step`, `wait`).
@@ -73,7 +80,7 @@ def parallelize_qwen3_dense(
         ValueError: the model's shapes do not divide by `tp`, or `kind='replicate'` with `tp > 1`.
         NotImplementedError: the topology has cp or ep above 1, or pp and tp both above 1.
     """
-    return _parallelize(model, ctx, config, DENSE, tensor_parallel or TensorParallelConfig())
+    return _parallelize(model, ctx, config, DENSE, tensor_parallel or TensorParallelConfig(), context=context)
 
 
 def parallelize_qwen3_moe(
@@ -82,16 +89,19 @@ def parallelize_qwen3_moe(
     config: AnyDataParallelConfig,
     *,
     tensor_parallel: TensorParallelConfig | None = None,
+    context: ContextParallelConfig | None = None,
 ) -> GradientSync:
-    """Like `parallelize_qwen3_dense`. Experts are data-parallel parameters (sharded along the expert dimension under
-    FSDP); with `tp > 1` each MoE block routes its rank's sequence shard and is sharded over `dp_cp_shard x tp`
-    (docs/design/0005).
+    """Like `parallelize_qwen3_dense`. With `ep == 1` experts are data-parallel parameters (sharded along the expert
+    dimension under FSDP); with `tp > 1` each MoE block routes its rank's sequence shard and is sharded over
+    `dp_cp_shard x tp` (docs/design/0005); with `ep > 1` experts are expert-parallel (`parallelize_experts`, the data
+    config's mixed precision; docs/design/0007) and the dense parameters then get `config`.
 
     Raises:
-        ValueError: the model's shapes do not divide by `tp`, or `kind='replicate'` with `tp > 1`.
-        NotImplementedError: the topology has cp or ep above 1, or pp and tp both above 1.
+        ValueError: the model's shapes do not divide by `tp`, `kind='replicate'` with `tp > 1` or `ep > 1`, or an `ep`
+            that does not divide the experts.
+        NotImplementedError: the topology has ep and tp both above 1, or pp and tp both above 1.
     """
-    return _parallelize(model, ctx, config, MOE, tensor_parallel or TensorParallelConfig())
+    return _parallelize(model, ctx, config, MOE, tensor_parallel or TensorParallelConfig(), context=context)
 
 
 def _parallelize(
@@ -100,8 +110,10 @@ def _parallelize(
     config: AnyDataParallelConfig,
     family: Qwen3FamilyPlan,
     tensor_parallel: TensorParallelConfig,
+    *,
+    context: ContextParallelConfig | None,
 ) -> GradientSync:
-    _refuse_unsupported(ctx, family.name)
+    _refuse_unsupported(ctx, family)
     tp = ctx.degrees.tp
     if tp > 1:
         if ctx.degrees.pp > 1:
@@ -118,17 +130,42 @@ def _parallelize(
         apply_qwen3_tensor_parallel(
             model, ctx.mesh_for(MeshDomain.DENSE)["tp"], family.tensor_parallel(model), tensor_parallel
         )
+    parallelize_context(model, ctx, context)
+    if ctx.degrees.ep > 1:
+        _expert_parallel(model, ctx, config, family)
     return _data_parallel(model, ctx, config)
 
 
-def _refuse_unsupported(ctx: DistributedContext, model_name: str) -> None:
+def _expert_parallel(
+    model: nn.Module, ctx: DistributedContext, config: AnyDataParallelConfig, family: Qwen3FamilyPlan
+) -> None:
+    """Experts `Shard(0)` over `ep` and FSDP over `ep_replicate`, each MoE layer with its token dispatcher; the
+    data-parallel step then skips them (docs/design/0007)."""
     degrees = ctx.degrees
-    asked = {name: getattr(degrees, name) for name in ("cp", "ep") if getattr(degrees, name) > 1}
+    if isinstance(config, ReplicateConfig):
+        raise ValueError(
+            f"{family.name}: expert parallelism (ep={degrees.ep}) needs kind='fsdp' or kind='hsdp' data parallelism, "
+            "got kind='replicate': the bucketed replicate synchroniser would all-reduce expert gradients over ranks "
+            "that hold different experts."
+        )
+    if degrees.tp > 1:
+        raise NotImplementedError(
+            f"{family.name}: ep={degrees.ep} with tp={degrees.tp} is not supported yet (experts are not "
+            "tensor-parallel); use ep with tp=1, or tp with ep=1."
+        )
+    mixed_precision = config.mixed_precision.build() if config.mixed_precision else None
+    parallelize_experts(model, ctx, mixed_precision=mixed_precision, reshard_after_forward=config.reshard_after_forward)
+
+
+def _refuse_unsupported(ctx: DistributedContext, family: Qwen3FamilyPlan) -> None:
+    degrees = ctx.degrees
+    checked = ("ep",) if not family.has_experts else ()
+    asked = {name: getattr(degrees, name) for name in checked if getattr(degrees, name) > 1}
     if asked:
         shown = ", ".join(f"{name}={size}" for name, size in asked.items())
         raise NotImplementedError(
-            f"{model_name}: {shown} is not supported yet (context and expert parallelism are planned); "
-            "use pp, dp_replicate, dp_shard and tp only, with cp=ep=1."
+            f"{family.name}: {shown} is not supported yet (expert parallelism needs MoE layers); use ep=1 "
+            "for a model without experts."
         )
 
 

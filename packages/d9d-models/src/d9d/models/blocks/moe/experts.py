@@ -4,10 +4,23 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn import functional
 
 from d9d.kernels.grouped_mm import GroupedMm
 from d9d.models.blocks.late_init import init_normal_
+
+
+class LocalShardGroupedMm:
+    """Runs `inner` on the local shard of a DTensor weight: under expert parallelism a rank's stacked weights
+    (`(E/ep, ...)`, `Shard(0)` over `ep`) are exactly the experts its dispatched rows are grouped by."""
+
+    def __init__(self, inner: GroupedMm) -> None:
+        self.inner = inner
+        self.name = inner.name
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+        return self.inner(x, weight.to_local() if isinstance(weight, DTensor) else weight, group_sizes)
 
 
 class GroupedLinear(nn.Module):
@@ -41,6 +54,12 @@ class GroupedSwiGLU(nn.Module):
     def set_backend(self, backend: GroupedMm) -> None:
         for linear in (self.gate_proj, self.up_proj, self.down_proj):
             linear.backend = backend
+
+    def use_local_shards(self) -> None:
+        """Make each projection (or the adapter wrapping it) run its backend on local expert shards."""
+        for linear in (self.gate_proj, self.up_proj, self.down_proj):
+            if not isinstance(linear.backend, LocalShardGroupedMm):
+                linear.backend = LocalShardGroupedMm(linear.backend)
 
     def reset_parameters(self) -> None:
         for linear in (self.gate_proj, self.up_proj, self.down_proj):

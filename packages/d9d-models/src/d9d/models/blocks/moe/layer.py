@@ -1,13 +1,16 @@
-"""The MoE layer: route, permute, grouped experts, un-permute and combine, plus optional shared experts."""
+"""The MoE layer: route, permute (or dispatch), grouped experts, un-permute (or combine), plus shared experts."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.profiler import record_function
 
+from d9d.kernels.expert_dispatch import AnyExpertDispatchConfig, TokenDispatcher, count_per_expert
 from d9d.kernels.grouped_mm import GroupedMm
 from d9d.models.blocks.ffn import SwiGLU
+from d9d.models.blocks.moe.capacity import drop_over_capacity
 from d9d.models.blocks.moe.experts import GroupedSwiGLU
 from d9d.models.blocks.moe.losses import attach_aux_loss, load_balancing_loss, router_z_loss
 from d9d.models.blocks.moe.permute import permute_tokens, unpermute_tokens
@@ -28,6 +31,11 @@ class MoELayer(nn.Module):
     are in `aux_losses` for logging. `aux_loss_weight` scales what reaches backward: a training loop that runs a
     step as several micro-batches (and data-parallel ranks) sets it to one over their number, so the step's
     auxiliary loss is their mean (see `AuxLossWeights`).
+
+    Expert parallelism (`parallelize_experts`) sets `dispatcher`: token copies then travel to the ranks owning their
+    experts and back instead of being permuted locally; `dispatch_config` names the backend it builds (`None`:
+    environment, then detection). `capacity_factor` (default off) drops the copies beyond
+    `ceil(factor * T * k / E)` per expert on each rank; the load counts what the router chose, before dropping.
     """
 
     tokens_per_expert: torch.Tensor
@@ -47,9 +55,16 @@ class MoELayer(nn.Module):
         load_balancing_coef: float = 0.0,
         z_loss_coef: float = 0.0,
         init_std: float = 0.02,
+        capacity_factor: float | None = None,
+        dispatch_config: AnyExpertDispatchConfig | None = None,
     ) -> None:
         super().__init__()
+        if capacity_factor is not None and capacity_factor <= 0:
+            raise ValueError(f"capacity_factor must be positive (or None for no limit), got {capacity_factor}")
         self.num_experts = num_experts
+        self.capacity_factor = capacity_factor
+        self.dispatch_config = dispatch_config
+        self.dispatcher: TokenDispatcher | None = None
         self.load_balancing_coef, self.z_loss_coef = load_balancing_coef, z_loss_coef
         self.router = TopKRouter(
             hidden_size,
@@ -91,18 +106,30 @@ class MoELayer(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         routing = self.router(flat)
-        permuted = permute_tokens(flat, routing.expert_indices, self.num_experts)
-        expert_rows = self.experts(permuted.rows, permuted.group_sizes)
-        out = unpermute_tokens(expert_rows, permuted, routing.expert_weights)
+        routed = count_per_expert(routing.expert_indices.reshape(-1), self.num_experts)
+        indices = routing.expert_indices
+        if self.capacity_factor is not None:
+            indices = drop_over_capacity(indices, self.num_experts, self.capacity_factor)
+        if self.dispatcher is None:
+            permuted = permute_tokens(flat, indices, self.num_experts, may_drop=self.capacity_factor is not None)
+            expert_rows = self.experts(permuted.rows, permuted.group_sizes)
+            out = unpermute_tokens(expert_rows, permuted, routing.expert_weights)
+        else:
+            # Named ranges, so a profile shows the share of a step spent moving tokens (bench/expert_parallel.py).
+            with record_function("moe.dispatch"):
+                dispatched = self.dispatcher.dispatch(flat, indices, routing.expert_weights)
+            expert_rows = self.experts(dispatched.rows, dispatched.group_sizes)
+            with record_function("moe.combine"):
+                out = self.dispatcher.combine(expert_rows, dispatched)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         if not _in_backward():
             with torch.no_grad():
-                loads = permuted.group_sizes.float()
+                loads = routed.float()
                 if self.token_shard_group is not None:
                     dist.all_reduce(loads, group=self.token_shard_group)
                 self.tokens_per_expert.add_(loads)
-        out = self._add_aux_losses(out, routing.scores, routing.logits, permuted.group_sizes)
+        out = self._add_aux_losses(out, routing.scores, routing.logits, routed)
         return out.view(shape)
 
     def _add_aux_losses(

@@ -11,9 +11,10 @@ from d9d.models.blocks.moe.layer import MoELayer
 class AuxLossWeights:
     """Sets `aux_loss_weight` on every MoE layer of a model that has an auxiliary-loss coefficient.
 
-    Satisfies d9d-core's `AuxLossWeighting`: the Trainer calls `set_weight(1 / (micro-batches x data-parallel
-    ranks))` before each step, so the auxiliary loss that reaches backward is the mean of the micro-batches' values,
-    and after it sums `take_weighted_sum()` over the ranks: the step's auxiliary loss, logged as `aux_loss`.
+    Satisfies d9d-core's `AuxLossWeighting`: the Trainer calls `set_weight(1 / (micro-batches x data-parallel ranks
+    x context-parallel ranks))` before each step, so the auxiliary loss that reaches backward is the mean of the
+    micro-batches' (shards') values, and after it sums `take_weighted_sum()` over the ranks: the step's auxiliary
+    loss, logged as `aux_loss`.
     """
 
     def __init__(self, model: nn.Module) -> None:

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# One GPU session's benchmark runs, in parts that each fit one device call (10 minutes), on a 4-GPU host.
+# Every part reruns its own baseline (FSDP at the same per-GPU batch) in the same command, since machines differ.
+# Usage there (carry .whl): bash bench/gpu_session.sh PART...; logs and the printed tables go to $OUT.
+#   parallel : tensor parallel vs FSDP (2 and 4 GPUs), expert parallel vs FSDP (1, 4 GPUs), long context (cp)
+#   compile  : tp2 x dp_shard2 with compiled layers, async TP off and on
+#   pipeline : pipeline schedules at pp=4, then the GPU parity tests of every parallel style over NCCL
+#   kernels  : the kernel table and the single-GPU Trainer ablation
+#   deepep   : build DeepEP in the background (its own session, so it outlives the call), then test it
+set -u
+out=${OUT:-/tmp/d9d-gpu}; mkdir -p "$out"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+PYTHONPATH=/tmp/site:$(ls -d "$PWD"/packages/*/src | tr '\n' ':')$PWD/flows/src
+export PYTHONPATH PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DO_NOT_TRACK=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+nvidia-smi --query-gpu=name --format=csv,noheader | uniq -c
+run() {  # run GPUS TIMEOUT LOG ARGS...: one torchrun on the listed GPUs, tables (lines starting | or #) echoed
+  local gpus=$1 limit=$2 log=$3; shift 3
+  local n=$(( $(echo "$gpus" | tr -cd , | wc -c) + 1 ))
+  echo "## $(date -u +%H:%M:%S) gpus=$gpus $*" | tee -a "$out/$log"
+  CUDA_VISIBLE_DEVICES=$gpus timeout "$limit" torchrun --nproc-per-node "$n" --rdzv-backend c10d \
+    --rdzv-endpoint localhost:0 "$@" 2>&1 | tee -a "$out/$log" | grep -E "^[|#{]" | cut -c1-400
+}
+for part in "$@"; do case $part in
+  parallel)
+    B=bench/tensor_parallel.py
+    run 0,1 120 tp.log $B --steps 8 --warmup 3
+    run 0,1 120 tp.log $B --tp 2 --steps 8 --warmup 3
+    run 0,1,2,3 120 tp.log $B --steps 8 --warmup 3
+    run 0,1,2,3 120 tp.log $B --tp 2 --steps 8 --warmup 3
+    E=bench/expert_parallel.py
+    run 0 90 ep.log $E --modes fsdp --steps 8 --warmup 3 --profile-steps 2
+    run 0,1,2,3 150 ep.log $E --modes fsdp ep deep_ep --steps 8 --warmup 3 --profile-steps 2
+    C=bench/context_parallel.py
+    run 0 90 cp.log $C --cp 1 --seq 8192
+    run 0 90 cp.log $C --cp 1 --seq 16384
+    run 0,1,2,3 120 cp.log $C --cp 4 --seq 16384
+    run 0,1,2,3 120 cp.log $C --cp 4 --seq 32768 ;;
+  compile)
+    B=bench/tensor_parallel.py
+    run 0,1,2,3 180 tp.log $B --tp 2 --compile --steps 8 --warmup 3
+    run 0,1,2,3 180 tp.log $B --tp 2 --compile --async-tp --steps 8 --warmup 3 ;;
+  pipeline)
+    run 0,1,2,3 300 pp.log bench/pipeline_schedules.py --steps 6 --warmup 2
+    python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/parallel tests/pipeline tests/core 2>&1 \
+      | tee "$out/gpu-tests.log" | tail -15 ;;
+  kernels)
+    [ -f bench/kernels.py ] && timeout 240 python3 bench/kernels.py --json "$out/kernels.json" 2>&1 | tee "$out/kernels.log" | grep -E "^[|#]"
+    run 0 120 trainer.log bench/trainer_step.py --model dense
+    run 0 120 trainer.log bench/trainer_step.py --model moe ;;
+  deepep)
+    if [ -f /tmp/deepep.done ]; then tail -20 /tmp/deepep.log; cp /tmp/deepep.log "$out/"
+      python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/parallel/test_gpu_expert_dispatch.py 2>&1 | tail -8
+    elif pgrep -f build_deepep.sh >/dev/null; then echo "deepep build still running"; tail -3 /tmp/deepep.log
+    else MAX_JOBS=24 PYTHON=python3 DEEP_EP_LOG_DIR=/tmp setsid nohup bash -c \
+        'nice bash bench/build_deepep.sh; touch /tmp/deepep.done' > /tmp/deepep.log 2>&1 < /dev/null &
+      echo "deepep build started"; fi ;;
+  *) echo "unknown part $part"; exit 2 ;;
+esac; done

@@ -1,0 +1,45 @@
+"""Expert dispatch behind one interface: all-to-all (reference, gloo and NCCL) and DeepEP (optional)."""
+
+from d9d.kernels.expert_dispatch.all_to_all import AllToAllDispatcher, all_to_all
+from d9d.kernels.expert_dispatch.api import DispatchedTokens, TokenDispatcher, split_experts
+from d9d.kernels.expert_dispatch.config import (
+    EXPERT_DISPATCH_CONFIG_ADAPTER,
+    AllToAllDispatchConfig,
+    AnyExpertDispatchConfig,
+    DeepEpDispatchConfig,
+    build_token_dispatcher,
+    capabilities_of_group,
+    detect_expert_dispatch_config,
+    resolve_expert_dispatch_config,
+)
+from d9d.kernels.expert_dispatch.deep_ep import DeepEpDispatcher, import_deep_ep
+from d9d.kernels.expert_dispatch.sorting import (
+    ExpertOrder,
+    count_per_expert,
+    gather_sorted_rows,
+    sort_by_expert,
+    weighted_unsort,
+)
+
+__all__ = [
+    "EXPERT_DISPATCH_CONFIG_ADAPTER",
+    "AllToAllDispatchConfig",
+    "AllToAllDispatcher",
+    "AnyExpertDispatchConfig",
+    "DeepEpDispatchConfig",
+    "DeepEpDispatcher",
+    "DispatchedTokens",
+    "ExpertOrder",
+    "TokenDispatcher",
+    "all_to_all",
+    "build_token_dispatcher",
+    "capabilities_of_group",
+    "count_per_expert",
+    "detect_expert_dispatch_config",
+    "gather_sorted_rows",
+    "import_deep_ep",
+    "resolve_expert_dispatch_config",
+    "sort_by_expert",
+    "split_experts",
+    "weighted_unsort",
+]

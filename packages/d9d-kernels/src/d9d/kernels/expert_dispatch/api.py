@@ -1,0 +1,59 @@
+"""The token dispatcher interface: move routed token copies to the ranks that own their experts, and back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class DispatchedTokens:
+    """What this rank's local experts receive: `rows` `(N, H)` sorted by local expert, `group_sizes` `(E_local,)`.
+
+    `handle` is the implementation's bookkeeping to bring the rows back in `combine`; treat it as opaque.
+    """
+
+    rows: torch.Tensor
+    group_sizes: torch.Tensor
+    handle: object
+
+
+class TokenDispatcher(Protocol):
+    """Expert-parallel token exchange over the `ep` ranks of one group, experts split evenly and contiguously.
+
+    `dispatch(x (T, H), expert_indices (T, k), expert_weights (T, k))`: each token copy goes to the rank that owns
+    its expert (global index; `-1` marks a copy dropped by a capacity limit, which goes nowhere). `combine(rows,
+    dispatched)`: the expert outputs (same order as `dispatched.rows`) come back, are weighted by the combine weights
+    and summed per token, `(T, H)`. Both are differentiable (rows, `x` and the combine weights).
+    """
+
+    name: str
+    num_local_experts: int
+
+    def dispatch(
+        self, x: torch.Tensor, expert_indices: torch.Tensor, expert_weights: torch.Tensor
+    ) -> DispatchedTokens: ...
+
+    def combine(self, rows: torch.Tensor, dispatched: DispatchedTokens) -> torch.Tensor: ...
+
+
+def check_routing(x: torch.Tensor, expert_indices: torch.Tensor, expert_weights: torch.Tensor) -> None:
+    if x.ndim != 2 or expert_indices.ndim != 2 or expert_weights.shape != expert_indices.shape:
+        raise ValueError(
+            f"dispatch expects x (T, H), expert_indices (T, k) and expert_weights (T, k); got x {tuple(x.shape)}, "
+            f"expert_indices {tuple(expert_indices.shape)}, expert_weights {tuple(expert_weights.shape)}"
+        )
+    if expert_indices.shape[0] != x.shape[0]:
+        raise ValueError(f"x has {x.shape[0]} tokens but expert_indices has {expert_indices.shape[0]} rows")
+
+
+def split_experts(num_experts: int, num_ranks: int) -> int:
+    """Experts per rank; raises when `num_experts` does not split evenly over `num_ranks`."""
+    if num_experts % num_ranks != 0:
+        raise ValueError(
+            f"num_experts={num_experts} must be divisible by the expert-parallel degree ep={num_ranks}; valid ep: "
+            + ", ".join(str(d) for d in range(1, num_experts + 1) if num_experts % d == 0)
+        )
+    return num_experts // num_ranks

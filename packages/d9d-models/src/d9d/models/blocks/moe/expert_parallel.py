@@ -1,0 +1,54 @@
+"""The expert-parallel plan step for any model with MoE layers (found by role): dispatcher + sharded experts.
+
+Run it on the meta-device model before the data-parallel step: the experts become their own FSDP units on the
+expert domain, so the enclosing units (decoder layers on the dense domain) leave their parameters alone.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from d9d.core.dist import DistributedContext
+from d9d.core.dist.domains import MeshDomain
+from d9d.kernels.expert_dispatch import build_token_dispatcher
+from d9d.models.blocks.moe.experts import GroupedSwiGLU
+from d9d.models.blocks.moe.layer import MoELayer
+from d9d.models.roles import Role
+from d9d.parallel import ByRole, MixedPrecision, check_expert_parallel_degrees, select_modules, shard_experts
+
+
+def parallelize_experts(
+    model: nn.Module,
+    ctx: DistributedContext,
+    *,
+    mixed_precision: MixedPrecision | None = None,
+    reshard_after_forward: bool = True,
+) -> list[MoELayer]:
+    """Shard the experts of every MoE layer of `model` over the `ep` ranks and give each layer its dispatcher.
+
+    Experts are `Shard(0)` over `expert['ep']` and FSDP-sharded over `expert['ep_replicate']` (with
+    `mixed_precision`, like the dense parameters); each layer's `dispatch_config` picks the token exchange.
+    Returns the layers it changed.
+
+    Raises:
+        ValueError: `ep` does not divide a layer's expert count (or the data ranks it folds over).
+        TypeError: a module declared the MoE role but is not an `MoELayer`.
+    """
+    mesh = ctx.mesh_for(MeshDomain.EXPERT)
+    group = mesh["ep"].get_group()
+    layers: list[MoELayer] = []
+    for name, module in select_modules(model, [ByRole(str(Role.MOE))]):
+        if not isinstance(module, MoELayer) or not isinstance(module.experts, GroupedSwiGLU):
+            raise TypeError(f"{name!r} declares the MoE role but is a {type(module).__name__}, not an MoELayer")
+        check_expert_parallel_degrees(ctx.degrees, module.num_experts)
+        module.dispatcher = build_token_dispatcher(module.dispatch_config, group=group, num_experts=module.num_experts)
+        module.experts.use_local_shards()
+        shard_experts(
+            module.experts,
+            mesh["ep_replicate", "ep"],
+            num_experts=module.num_experts,
+            mixed_precision=mixed_precision,
+            reshard_after_forward=reshard_after_forward,
+        )
+        layers.append(module)
+    return layers

@@ -1,0 +1,200 @@
+"""Qwen3-MoE with expert parallelism on gloo against one process training on the same global batch.
+
+float32 throughout, 10 steps of 2 micro-batches. What differs from the reference is summation order only: per-rank
+loss sums, the order in which an expert's rows from different ranks meet in its grouped matmul, reduce-scatters. That
+gives losses and gradient norms equal to 1e-5 (relative); AdamW divides by the root of the second moment, which
+turns those 1e-7 differences in tiny gradients into a few 1e-6 in the parameters after 10 steps, so parameters are
+compared at 1e-4 absolute. Router logits are spread (`ROUTER_STD`) and every step checks that no token has its
+k-th and (k+1)-th router logit within 5e-5, so the parity does not rest on how near-ties round.
+"""
+
+import pytest
+import torch
+from ep_workload import (
+    MIN_TOP_K_GAP,
+    Trace,
+    build_meta,
+    full,
+    materialize_with_spread_routers,
+    optimizer_for,
+    record_top_k_gaps,
+    train,
+)
+from tiny import EAGER
+from torch.distributed.tensor import DTensor
+
+from d9d.core.checkpoint import JobCheckpointer, ModelAndOptimizer
+from d9d.core.dist import DistributedContext, MeshDegrees
+from d9d.kernels.expert_dispatch import AllToAllDispatcher
+from d9d.models.blocks.moe import MoELayer
+from d9d.models.qwen3 import parallelize_qwen3_moe
+from d9d.parallel import FsdpConfig, HsdpConfig, ReplicateConfig
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:FSDP2-wrapped module.*returned a view tensor:UserWarning",
+    "ignore:.*sequential all_gather operations.*:UserWarning",
+)
+
+STEPS = 10
+LOSS_RTOL, NORM_RTOL, PARAM_ATOL = 1e-5, 1e-5, 1e-4
+
+LAYOUTS = {
+    "ep2-fsdp2": (2, MeshDegrees(dp_shard=2, ep=2), FsdpConfig()),
+    "ep4-fsdp4": (4, MeshDegrees(dp_shard=4, ep=4), FsdpConfig()),
+    "ep2-over-hsdp2x2": (4, MeshDegrees(dp_replicate=2, dp_shard=2, ep=2), HsdpConfig()),
+    "ep2-efsdp2-fsdp4": (4, MeshDegrees(dp_shard=4, ep=2), FsdpConfig()),  # experts also FSDP over ep_replicate=2
+}
+
+
+def _reference(steps: range) -> tuple[torch.nn.Module, Trace]:
+    model = build_meta()
+    materialize_with_spread_routers(model)
+    trace = Trace()
+    hooks = record_top_k_gaps(model, trace)
+    train(model, optimizer_for(model), steps, trace=trace)
+    for hook in hooks:
+        hook.remove()
+    return model, trace
+
+
+def _parallel(degrees: MeshDegrees, config, decoder=EAGER) -> tuple[DistributedContext, torch.nn.Module, object]:
+    ctx = DistributedContext.build(degrees)
+    model = build_meta(decoder)
+    sync = parallelize_qwen3_moe(model, ctx, config)
+    materialize_with_spread_routers(model)
+    return ctx, model, sync
+
+
+def _assert_same_training(trace: Trace, reference: Trace) -> None:
+    assert reference.min_gap > MIN_TOP_K_GAP, f"router top-k near-tie ({reference.min_gap:.2e}): parity is luck"
+    torch.testing.assert_close(trace.losses, reference.losses, rtol=LOSS_RTOL, atol=0)
+    torch.testing.assert_close(trace.grad_norms, reference.grad_norms, rtol=NORM_RTOL, atol=0)
+    # Expert loads summed over the data ranks are the single process's, exactly (they are counts).
+    for step, (loads, expected) in enumerate(zip(trace.loads, reference.loads, strict=True)):
+        assert torch.equal(loads, expected), f"step {step}: loads {loads.tolist()} != {expected.tolist()}"
+
+
+def _assert_same_parameters(model: torch.nn.Module, reference: torch.nn.Module) -> None:
+    reference_params = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(full(param), reference_params[name], rtol=0, atol=PARAM_ATOL, msg=name)
+
+
+@pytest.mark.parametrize(("world_size", "layout"), [(size, name) for name, (size, _, _) in LAYOUTS.items()])
+@pytest.mark.distributed(timeout=300)
+def test_expert_parallel_training_matches_single_process(world_size, layout):
+    _, degrees, config = LAYOUTS[layout]
+    ctx, model, sync = _parallel(degrees, config)
+    layers = [module for module in model.modules() if isinstance(module, MoELayer)]
+    assert layers and all(isinstance(layer.dispatcher, AllToAllDispatcher) for layer in layers)
+    experts = layers[0].experts.gate_proj.weight
+    assert isinstance(experts, DTensor)
+    assert experts.to_local().shape[0] * degrees.ep * ctx.degrees.expert_replicate() >= experts.shape[0]
+    trace = train(model, optimizer_for(model), range(STEPS), ctx=ctx, sync=sync)
+    reference, reference_trace = _reference(range(STEPS))
+    _assert_same_training(trace, reference_trace)
+    _assert_same_parameters(model, reference)
+
+
+@pytest.mark.distributed(world_size=2, timeout=300)
+def test_expert_parallel_with_activation_checkpointing_recomputes_the_exchange():
+    # Recomputation in backward dispatches again: every rank recomputes the same layers in the same order, so the
+    # collectives pair up, and the load counts skip the recomputation.
+    checkpointed = EAGER.model_copy(update={"activation_checkpointing": True})
+    ctx, model, sync = _parallel(MeshDegrees(dp_shard=2, ep=2), FsdpConfig(), checkpointed)
+    trace = train(model, optimizer_for(model), range(3), ctx=ctx, sync=sync)
+    reference, reference_trace = _reference(range(3))
+    _assert_same_training(trace, reference_trace)
+    _assert_same_parameters(model, reference)
+
+
+@pytest.mark.distributed(world_size=4, timeout=300)
+def test_job_checkpoint_written_at_ep4_resumes_at_ep2_and_at_ep1(tmp_path):
+    checkpointer = JobCheckpointer(tmp_path / "ckpt", keep_last=3, rank=torch.distributed.get_rank())
+    trace = Trace()
+    for stage, ep in enumerate((4, 2, 1)):
+        steps = range(3 * stage, 3 * stage + 3)
+        ctx, model, sync = _parallel(MeshDegrees(dp_shard=4, ep=ep), FsdpConfig())
+        optimizer = optimizer_for(model)
+        state = {"train": ModelAndOptimizer(model, optimizer)}
+        if stage > 0:
+            latest = checkpointer.latest()
+            assert latest is not None
+            checkpointer.load(latest, state)
+        train(model, optimizer, steps, ctx=ctx, sync=sync, trace=trace)
+        checkpointer.save(steps[-1] + 1, state)
+    reference, reference_trace = _reference(range(9))
+    _assert_same_training(trace, reference_trace)
+    _assert_same_parameters(model, reference)
+
+
+@pytest.mark.distributed(world_size=2, timeout=120)
+def test_expert_parallel_refuses_replicate_data_parallelism_and_bad_degrees():
+    ctx = DistributedContext.build(MeshDegrees(dp_replicate=2, ep=2))
+    with pytest.raises(ValueError, match="kind='fsdp' or kind='hsdp'"):
+        parallelize_qwen3_moe(build_meta(), ctx, ReplicateConfig())
+
+
+def test_expert_parallel_degree_check_names_the_valid_values():
+    from d9d.parallel import check_expert_parallel_degrees
+
+    with pytest.raises(ValueError, match=r"ep=3 must divide num_experts=8.*valid ep values: 1, 2, 4, 8"):
+        check_expert_parallel_degrees(MeshDegrees(dp_shard=-1, ep=3), 8)
+    with pytest.raises(ValueError, match=r"ep=4 must divide dp_replicate\*dp_shard\*cp = 6.*: 1, 2"):
+        check_expert_parallel_degrees(MeshDegrees.model_construct(dp_shard=6, ep=4), 8)
+    check_expert_parallel_degrees(MeshDegrees(dp_shard=4, ep=4).resolve(4), 8)
+
+
+def _lora_model(degrees: MeshDegrees | None):
+    from d9d.peft import LoRAConfig, LoRAParameters, build_peft_method, inject_peft_and_freeze
+
+    model = build_meta()
+    pattern = r".*\.mlp\.experts\.(gate|up|down)_proj|.*\.self_attn\.q_proj"
+    config = LoRAConfig(module_name_pattern=pattern, params=LoRAParameters(r=2, alpha=4))
+    inject_peft_and_freeze(build_peft_method(config), model)
+    ctx = sync = None
+    if degrees is not None:
+        ctx = DistributedContext.build(degrees)
+        sync = parallelize_qwen3_moe(model, ctx, FsdpConfig())
+    materialize_with_spread_routers(model)
+    return ctx, model, sync
+
+
+@pytest.mark.distributed(world_size=2, timeout=300)
+def test_lora_on_experts_of_an_expert_parallel_model_trains_and_exports(tmp_path):
+    from ep_workload import PARAMS
+    from safetensors.torch import load_file
+
+    from d9d.models.qwen3 import mapper_to_huggingface_qwen3_moe
+    from d9d.peft.export import ADAPTER_WEIGHTS, export_hf_peft_adapter
+
+    ctx, model, sync = _lora_model(MeshDegrees(dp_shard=2, ep=2))
+    lora_a = model.model.layers["0"].mlp.experts.gate_proj.lora_A
+    assert isinstance(lora_a, DTensor) and lora_a.to_local().shape[0] == PARAMS.num_experts // 2
+    trace = train(model, optimizer_for(model), range(4), ctx=ctx, sync=sync)
+    _, reference, _ = _lora_model(None)
+    reference_trace = Trace()
+    hooks = record_top_k_gaps(reference, reference_trace)
+    train(reference, optimizer_for(reference), range(4), trace=reference_trace)
+    for hook in hooks:
+        hook.remove()
+    _assert_same_training(trace, reference_trace)
+    _assert_same_parameters(model, reference)
+    assert any(name.endswith("lora_B") and full(p).abs().max() > 0 for name, p in model.named_parameters())
+
+    to_hf = mapper_to_huggingface_qwen3_moe(PARAMS)
+    export_hf_peft_adapter(model, to_hf, tmp_path / "ep", write=ctx.rank == 0)
+    torch.distributed.barrier()
+    export_hf_peft_adapter(reference, to_hf, tmp_path / f"reference{ctx.rank}")
+    exported = load_file(tmp_path / "ep" / ADAPTER_WEIGHTS)
+    expected = load_file(tmp_path / f"reference{ctx.rank}" / ADAPTER_WEIGHTS)
+    assert exported.keys() == expected.keys() and any(".experts.7." in name for name in exported)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(exported[name], tensor, rtol=0, atol=PARAM_ATOL, msg=name)
+
+
+@pytest.mark.distributed(world_size=4, timeout=120)
+def test_expert_parallel_with_tensor_parallel_is_refused_clearly():
+    ctx = DistributedContext.build(MeshDegrees(dp_shard=2, tp=2, ep=2))
+    with pytest.raises(NotImplementedError, match="ep=2 with tp=2 is not supported yet"):
+        parallelize_qwen3_moe(build_meta(), ctx, FsdpConfig())
