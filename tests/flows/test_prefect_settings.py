@@ -9,7 +9,7 @@ def test_embedded_default_is_quiet_offline_and_patient(tmp_path):
     assert target.mode == "embedded"
     assert environ["PREFECT_HOME"] == str(tmp_path / "home" / "prefect")
     assert (tmp_path / "home" / "prefect").is_dir()  # Prefect itself would not create the parents
-    assert environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] == "120"
+    assert environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] == "300"
     assert environ["PREFECT_UI_ENABLED"] == "false"
     assert environ["DO_NOT_TRACK"] == "1"
     assert environ["PREFECT_SERVER_ANALYTICS_ENABLED"] == "false"

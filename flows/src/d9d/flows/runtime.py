@@ -56,8 +56,8 @@ def configure_prefect(environ: MutableMapping[str, str] | None = None) -> Prefec
     home = Path(environ.setdefault("PREFECT_HOME", str(d9d_home(environ) / "prefect"))).expanduser()
     embedded = {
         "PREFECT_SERVER_EPHEMERAL_ENABLED": "true",
-        # A fresh SQLite database takes 15-20 s to set up on a 2-core machine; Prefect's default gives up at 20 s.
-        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+        # A fresh SQLite database: 15-20 s on a 2-core machine, over 2 min under heavy load; Prefect gives up at 20 s.
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "300",
         "PREFECT_UI_ENABLED": "false",
         "PREFECT_RESULTS_LOCAL_STORAGE_PATH": str(home / "storage"),
     }
