@@ -79,14 +79,14 @@ LR_SCHEDULE = PiecewiseScheduleConfig(
 )
 
 
-def build_meta(family: str, stage: PipelineStage) -> nn.Module:
+def build_meta(family: str, stage: PipelineStage, decoder: DecoderConfig = EAGER) -> nn.Module:
     with torch.device("meta"):
         if family == "moe":
             params = qwen3_moe_parameters_from_hf(MOE_HF).model_copy(
                 update={"z_loss_coef": 0.05, "load_balancing_coef": 0.1}  # auxiliary losses ride through stages
             )
-            return Qwen3MoeForCausalLM(params, config=EAGER, stage=stage)
-        return Qwen3DenseForCausalLM(qwen3_dense_parameters_from_hf(DENSE_HF), config=EAGER, stage=stage)
+            return Qwen3MoeForCausalLM(params, config=decoder, stage=stage)
+        return Qwen3DenseForCausalLM(qwen3_dense_parameters_from_hf(DENSE_HF), config=decoder, stage=stage)
 
 
 @functools.cache
@@ -202,8 +202,10 @@ def pipelined_run(
     checkpoint_dir: Path | None = None,
     checkpoint_every: int | None = None,
     seed: int = 5,
+    decoder: DecoderConfig = EAGER,
 ) -> RunRecord:
-    """Train through the core Trainer with the pipeline schedule; this rank's final parameters as full tensors."""
+    """Train through the core Trainer with the pipeline schedule; this rank's final parameters as full tensors.
+    `decoder` picks the kernel backends (the reference always runs `EAGER`)."""
     trainer_config = TrainerConfig(
         total_steps=steps,
         global_batch_rows=global_rows,
@@ -223,7 +225,7 @@ def pipelined_run(
     holder: dict[str, object] = {}
 
     def build_stage(stage: PipelineStage) -> nn.Module:
-        module = build_meta(family, stage)
+        module = build_meta(family, stage, decoder)
         if fsdp:
             parallelize = parallelize_qwen3_moe if family == "moe" else parallelize_qwen3_dense
             parallelize(module, ctx, FsdpConfig())
