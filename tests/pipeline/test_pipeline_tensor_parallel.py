@@ -20,6 +20,8 @@ from pipeline_workload import shared_reference as reference_of
 from test_pipeline_parity import SCHEDULES
 from torch.distributed.tensor import DTensor
 
+from d9d.core.dist import DistributedContext
+from d9d.models import materialize_
 from d9d.models.qwen3 import parallelize_qwen3_dense
 from d9d.parallel import FsdpConfig
 from d9d.pipeline import PipelineConfig, PipelineStage, plan_pipeline
@@ -28,22 +30,34 @@ STEPS, ROWS = 10, 8
 LOSS_RTOL, NORM_RTOL, PARAM_ATOL = 2e-5, 1e-5, 2e-5
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
-@pytest.mark.distributed(world_size=4, timeout=600)
-def test_pp2_tp2_matches_single_process(schedule):
-    ctx = context(pp=2, tp=2)
+def _check(ctx: DistributedContext, schedule: str) -> None:
+    layout = f"pp={ctx.degrees.pp} x dp_shard={ctx.degrees.dp_shard} x tp={ctx.degrees.tp}"
     for family in ("dense", "moe_z_loss"):
         config = PipelineConfig(schedule=SCHEDULES[schedule])
         record = pipelined_run(ctx, family, config, steps=STEPS, global_rows=ROWS, fsdp=True)
         reference = reference_of(family, steps=STEPS, global_rows=ROWS)
-        loss = max_relative(record.losses, [step.losses[0] for step in reference])
-        norm = max_relative(record.grad_norms, [step.grad_norms[0] for step in reference])
+        losses, norms = [step.losses[0] for step in reference], [step.grad_norms[0] for step in reference]
+        loss, norm = max_relative(record.losses, losses), max_relative(record.grad_norms, norms)
         params = all_ranks_max(max_param_error(record.params, reference[-1].params))
         if dist.get_rank() == 0:
-            print(f"{family} {schedule} pp=2 x tp=2: loss {loss:.1e} norm {norm:.1e} params {params:.1e}")
-        assert loss < LOSS_RTOL, (record.losses, [step.losses[0] for step in reference])
-        assert norm < NORM_RTOL, (record.grad_norms, [step.grad_norms[0] for step in reference])
+            print(f"{family} {schedule} {layout}: loss {loss:.1e} norm {norm:.1e} params {params:.1e}")
+        assert loss < LOSS_RTOL, (record.losses, losses)
+        assert norm < NORM_RTOL, (record.grad_norms, norms)
         assert params < PARAM_ATOL
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
+@pytest.mark.distributed(world_size=4, timeout=600)
+def test_pp2_tp2_matches_single_process(schedule):
+    _check(context(pp=2, tp=2), schedule)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed(world_size=8, timeout=900)
+def test_pp2_tp2_dp2_matches_single_process():
+    """pp=2 x dp_shard=2 x tp=2 on 8 ranks, 1F1B: FSDP shards each tp shard over the 2 data ranks, which take 4 of
+    the 8 micro-batches each; the same tolerances."""
+    _check(context(pp=2, dp_shard=2, tp=2), "1f1b")
 
 
 @pytest.mark.distributed(world_size=4, timeout=300)
@@ -54,8 +68,6 @@ def test_a_tp_stage_holds_a_tp_share_and_hands_over_its_sequence_shard():
     stage = PipelineStage(0, 2)
     module = build_meta("dense", stage)
     parallelize_qwen3_dense(module, ctx, FsdpConfig())
-    from d9d.models import materialize_
-
     materialize_(module, ctx.device)
     q_proj = module.get_parameter("model.layers.0.self_attn.q_proj.weight")
     assert isinstance(q_proj, DTensor)

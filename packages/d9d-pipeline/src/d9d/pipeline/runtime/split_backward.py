@@ -69,11 +69,16 @@ class WeightGradientWork:
     graph_owners: list[object] = field(default_factory=list)  # keep the nodes above alive until `W` (module doc)
 
 
+# The node class of every custom `autograd.Function` (and of custom ops' autograd); typed `type` because torch's
+# stubs declare it unrelated to `Node`, which it is at run time.
+_CUSTOM_FUNCTION_NODE: type = torch.autograd.function.BackwardCFunction
+
+
 def _graph_owner(tensor: torch.Tensor) -> object:
     """What keeps `tensor`'s autograd graph alive: its node when that is a built-in one (its Python object owns the
     C++ node), the tensor itself otherwise (a custom function's node object does not own it in torch 2.11)."""
     node = tensor.grad_fn
-    if node is None or isinstance(node, torch.autograd.function.BackwardCFunction):
+    if node is None or isinstance(node, _CUSTOM_FUNCTION_NODE):
         return tensor
     return node
 
