@@ -2,7 +2,7 @@
 gradients, then the weight gradients deferred past later forwards) with no communication at all. They must equal
 1F1B at pp=1 (one stage, ordinary backward) on the same device with the same kernels, for 6 steps of tiny Qwen3
 dense and Qwen3-MoE with 8 micro-batches of one row (with the Triton interpreter on CPU: the MoE, which runs every
-kernel, 3 steps of 2).
+kernel, 4 steps of 2).
 
 With the Triton kernels (on CPU in Triton's interpreter, on CUDA the default backends) custom autograd Functions sit
 between the stage input and every weight, besides the chunked loss and the MoE aux-loss attachment (always). Under
@@ -62,7 +62,7 @@ def _compare(device: str, kernels: str, schedule: str) -> list[tuple[str, float,
     ctx = DistributedContext.build(MeshDegrees(), device=device)  # type: ignore[arg-type]
     decoder = KERNELS[kernels]
     interpreted = (device, kernels) == ("cpu", "triton")  # Triton's interpreter is slow: the MoE (every kernel), less
-    steps, rows = (3, 2) if interpreted else (6, 8)
+    steps, rows = (4, 2) if interpreted else (6, 8)
     results = []
     for family in ("moe",) if interpreted else ("dense", "moe"):
         runs = {
