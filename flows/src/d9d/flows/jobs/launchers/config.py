@@ -1,7 +1,7 @@
 """Where a launched stage's ranks run: the `launcher` setting of the pretrain, finetune and evaluate sections.
 
 - `local` (the default): `torchrun` on this machine, as before this setting existed.
-- `slurm`: an sbatch job (`infra/slurm/torchrun.sbatch.j2`) of `nodes` nodes, followed to its end.
+- `slurm`: an sbatch job (`templates/slurm/torchrun.sbatch.j2`) of `nodes` nodes, followed to its end.
 - `kubernetes`: an indexed Job and a headless Service (one pod per node), followed to its end.
 
 The rank layout on a node (`nproc_per_node`, the mesh degrees, the device) stays in the section's `RankTopology`;
