@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
 from d9d.flows.jobs.launchers.cluster_job import (
     ENV_NAME_PATTERN,
@@ -152,6 +152,17 @@ class KubernetesLauncherConfig(_ClusterLauncherConfig):
         return secrets
 
 
+def _launcher_kind(value: object) -> str:
+    """The launcher kind of a config or its data; `local` when unnamed, so `--set pretrain.launcher.gpu_slots=2`
+    sets a field of the default launcher instead of failing to tell which launcher is meant."""
+    if isinstance(value, dict):
+        return str(value.get("kind", "local"))
+    return str(getattr(value, "kind", "local"))
+
+
 AnyLauncherConfig = Annotated[
-    LocalLauncherConfig | SlurmLauncherConfig | KubernetesLauncherConfig, Field(discriminator="kind")
+    Annotated[LocalLauncherConfig, Tag("local")]
+    | Annotated[SlurmLauncherConfig, Tag("slurm")]
+    | Annotated[KubernetesLauncherConfig, Tag("kubernetes")],
+    Discriminator(_launcher_kind),
 ]
