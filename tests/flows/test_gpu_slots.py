@@ -8,6 +8,7 @@ would take by default with `device=cuda`). Isolated: Prefect starts threads; the
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,10 @@ def test_two_runs_against_one_stages_worth_of_gpus_wait_for_each_other(prefect_a
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
+    from d9d.flows.embedded_api import embedded_api_url, using_api
+
+    api_url = embedded_api_url(Path(os.environ["PREFECT_HOME"]), startup_timeout=300)  # what `d9d run` starts
+
     base = load_job_config(preset_name="micro", overrides=[f"workdir={tmp_path}"])
     prepare_data(base.data_prep, base.data_prep_output)
     configs = [
@@ -53,13 +58,14 @@ def test_two_runs_against_one_stages_worth_of_gpus_wait_for_each_other(prefect_a
         )
         for name in ("first", "second")
     ]
-    with get_client(sync_client=True) as client:
+    with using_api(api_url), get_client(sync_client=True) as client:
         client.upsert_global_concurrency_limit_by_name(GPU_LIMIT, 2)
         try:
             states: list[Any] = [None, None]
 
             def run(index: int) -> None:
-                states[index] = FLOWS["pretrain"](configs[index], return_state=True)
+                with using_api(api_url):  # Prefect's settings are per context, and a thread starts with none
+                    states[index] = FLOWS["pretrain"](configs[index], return_state=True)
 
             threads = [threading.Thread(target=run, args=(index,)) for index in range(2)]
             for thread in threads:

@@ -221,7 +221,7 @@ def test_a_requeued_job_resumes_and_ends_with_the_undisturbed_model(
         requeued.append(job_id)
         # Slurm holds a requeued job back for two minutes (its BeginTime); an administrator, or this test, may not wait.
         _when(lambda: _job(slurm)[1] == "PENDING", 120, "pending again after the requeue")
-        slurm.run("scontrol", "update", f"JobId={job_id}", "BeginTime=now")
+        slurm.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
 
     thread, errors = _in_background(preempt_after_first_checkpoint)
     assert main(_argv(workdir, output.name)) == 0
