@@ -80,7 +80,8 @@ for part in "$@"; do case $part in
   pipeline)
     # One launch per schedule so that one failure keeps the others' rows.
     for schedule in 1f1b interleaved_1f1b zbv dualpipe_v; do
-      run 0,1,2,3 100 pp.log bench/pipeline_schedules.py --schedules $schedule --steps 5 --warmup 2 --profile-steps 1
+      run 0,1,2,3 ${PIPE_SECONDS:-100} pp.log bench/pipeline_schedules.py --schedules $schedule --steps 5 --warmup 2 \
+        --profile-steps 1
     done ;;
   gputests)
     timeout 150 python3 -m pytest -v -p no:cacheprovider -rfE -m gpu tests/parallel tests/pipeline 2>&1 \

@@ -6,11 +6,12 @@ turned off, and every test here checks that it left no thread behind.
 """
 
 import os
-import threading
 from pathlib import Path
 
 import pytest
 import tqdm
+
+from d9d.core.testing.pytest_plugin import assert_no_threads_before_forking
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -25,7 +26,6 @@ import torch._dynamo  # noqa: E402, F401  (warm the parent once: forked ranks wo
 
 
 @pytest.fixture(autouse=True)
-def _leaves_no_threads():
+def _leaves_no_threads(request: pytest.FixtureRequest):
     yield
-    others = [thread.name for thread in threading.enumerate() if thread is not threading.main_thread()]
-    assert not others, f"this test left threads running ({others}); later forking tests would refuse to fork"
+    assert_no_threads_before_forking(request.node)

@@ -1,10 +1,11 @@
 """PEFT tests fork gloo ranks and use transformers/peft in-process: keep the pytest process single-threaded."""
 
 import os
-import threading
 
 import pytest
 import tqdm
+
+from d9d.core.testing.pytest_plugin import assert_no_threads_before_forking
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -13,7 +14,6 @@ tqdm.tqdm.monitor_interval = 0  # no tqdm_monitor thread
 
 
 @pytest.fixture(autouse=True)
-def _leaves_no_threads():
+def _leaves_no_threads(request: pytest.FixtureRequest):
     yield
-    others = [thread.name for thread in threading.enumerate() if thread is not threading.main_thread()]
-    assert not others, f"this test left threads running ({others}); later forking tests would refuse to fork"
+    assert_no_threads_before_forking(request.node)

@@ -9,6 +9,7 @@ before the fork. `world_size` may also come from a `world_size` parameter of the
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 import pytest
@@ -47,6 +48,23 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return forks[path]
 
     items.sort(key=lambda item: not forking(item))
+    for item in items:
+        item.stash[_FORKS] = forking(item)
+
+
+_FORKS = pytest.StashKey[bool]()
+
+
+def assert_no_threads_before_forking(item: pytest.Item) -> None:
+    """Fail `item` if it left threads running while a later test of the session forks ranks (which refuse to fork
+    a multi-threaded process). Once no forking test is left (they run first), threads do no harm: torch.compile's
+    worker threads, for one, stay for the life of the process."""
+    items = item.session.items
+    later = items[items.index(item) + 1 :] if item in items else []
+    if not any(other.stash.get(_FORKS, False) for other in later):
+        return
+    others = [thread.name for thread in threading.enumerate() if thread is not threading.main_thread()]
+    assert not others, f"this test left threads running ({others}); later forking tests would refuse to fork"
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

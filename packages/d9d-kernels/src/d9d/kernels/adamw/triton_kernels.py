@@ -37,7 +37,7 @@ def _store_rounded(ptr, offsets, value, mask, seed, STOCHASTIC: tl.constexpr):
 @triton.jit
 def _adamw_kernel(
     param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, n_elements,
-    lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt,
+    decay, one_minus_beta1, beta2, one_minus_beta2, eps, step_size, bias_correction2_sqrt,
     seed_param, seed_exp_avg, seed_exp_avg_sq,
     PARAM_BF16: tl.constexpr, STATE_BF16: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
@@ -47,11 +47,11 @@ def _adamw_kernel(
     grad = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     exp_avg = tl.load(exp_avg_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    param = param * (1.0 - lr * weight_decay)
-    exp_avg = exp_avg + (1.0 - beta1) * (grad - exp_avg)
-    exp_avg_sq = exp_avg_sq * beta2 + (1.0 - beta2) * grad * grad
+    param = param * decay
+    exp_avg = exp_avg + one_minus_beta1 * (grad - exp_avg)
+    exp_avg_sq = exp_avg_sq * beta2 + one_minus_beta2 * grad * grad
     denom = tl.sqrt(exp_avg_sq) / bias_correction2_sqrt + eps
-    param = param + (-lr / bias_correction1) * (exp_avg / denom)
+    param = param - step_size * (exp_avg / denom)
     _store_rounded(param_ptr, offsets, param, mask, seed_param, PARAM_BF16)
     _store_rounded(exp_avg_ptr, offsets, exp_avg, mask, seed_exp_avg, STATE_BF16)
     _store_rounded(exp_avg_sq_ptr, offsets, exp_avg_sq, mask, seed_exp_avg_sq, STATE_BF16)
@@ -86,10 +86,13 @@ def stochastic_adamw_step(
     def grid(meta: dict[str, int]) -> tuple[int]:
         return (triton.cdiv(n_elements, meta["BLOCK"]),)
 
+    # Every scalar that combines hyperparameters is computed here in float64, as PyTorch's AdamW does, and reaches
+    # the kernel rounded once to float32: `1 - beta2` taken in float32 inside the kernel is 1.3e-5 off for 0.999,
+    # which moved results that cancel (a parameter near lr) by two bfloat16 steps on the GPU.
     _adamw_kernel[grid](
         param, grad, exp_avg, exp_avg_sq, n_elements,
-        hyper.lr, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay,
-        1 - hyper.beta1**hyper.step, (1 - hyper.beta2**hyper.step) ** 0.5,
+        1 - hyper.lr * hyper.weight_decay, 1 - hyper.beta1, hyper.beta2, 1 - hyper.beta2, hyper.eps,
+        hyper.lr / (1 - hyper.beta1**hyper.step), (1 - hyper.beta2**hyper.step) ** 0.5,
         *(_seed32(seed) for seed in seeds),
         PARAM_BF16=param.dtype == torch.bfloat16, STATE_BF16=exp_avg.dtype == torch.bfloat16,
     )  # fmt: skip
