@@ -14,8 +14,11 @@ from flows_corpora import small_job
 
 from d9d.core.checkpoint import latest_complete
 from d9d.flows.cli import EXIT_BAD_INPUT, EXIT_FAILED, main
+from d9d.flows.jobs.config import JobConfig
 from d9d.flows.jobs.contract import StageManifest
 from d9d.flows.jobs.faults import FAULT_ENV
+from d9d.flows.jobs.presets import preset
+from d9d.models.catalogue import read_parameters
 
 pytestmark = pytest.mark.isolated
 
@@ -99,6 +102,10 @@ def _check_pretrain_and_evaluate(workdir, out):
     assert statistics["init"] == f"the convert output {workdir / 'model' / 'checkpoint'}"
     assert statistics["steps"] == 8 and statistics["ranks"] == 2
     assert latest_complete(workdir / "pretrain" / "checkpoints").name == "step-00000008"
+    model = workdir / "pretrain" / "model"  # the trained model, self-describing
+    expected = JobConfig.model_validate(preset("micro")).pretrain.model.parameters  # (test_pretrain_program.py
+    assert read_parameters(model) == expected  # converts such a directory to transformers, same logits)
+    assert f"model              {model}" in out
     losses = [json.loads(line) for line in (workdir / "pretrain" / "losses.jsonl").read_text().splitlines()]
     assert [record["step"] for record in losses] == list(range(1, 9))
     tracker = statistics["tracker"]  # the default tracker: JSONL in the stage output, named in the summary
