@@ -120,9 +120,10 @@ def test_a_workdir_under_a_file_names_the_file(capsys, tmp_path):
     assert f"workdir={tmp_path}/notes.txt/run is under {tmp_path}/notes.txt, which is a file" in err
 
 
-def test_a_run_shorter_than_the_presets_warm_up_fails_before_launch(capsys, tmp_path):
+@pytest.mark.parametrize("target", ["pipeline", "pretrain"])  # `d9d run pretrain`: the issue's own command
+def test_a_run_shorter_than_the_presets_warm_up_fails_before_launch(capsys, tmp_path, target):
     err = _error(
-        capsys, ["run", "pipeline", "--preset", "tiny", "--set", f"workdir={tmp_path}", "--set", "pretrain.steps=10"]
+        capsys, ["run", target, "--preset", "tiny", "--set", f"workdir={tmp_path}", "--set", "pretrain.steps=10"]
     )
     assert "d9d: error: pretrain.lr_schedule does not fit pretrain.steps=10" in err
     assert "raise pretrain.steps" in err

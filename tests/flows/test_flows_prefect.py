@@ -259,3 +259,22 @@ def test_stage_runs_from_a_job_file_with_overrides(prefect_api, tmp_path, capsys
     assert main([*changed, "--set", "replace_outputs=true"]) == 0
     assert "data-prep: ran (config changed (seed))" in capsys.readouterr().out
     assert StageManifest.read(tmp_path / "run" / "data").statistics["documents"] == 10
+
+
+def test_a_failing_rank_is_reported_by_its_own_error_without_a_prefect_stack(prefect_api, tmp_path, capsys, corpus_dir):
+    """A failure only the ranks can see (the flash_attn package is not installed here: preflight cannot know which
+    machine the ranks run on) reaches the user as that rank's own error, not Prefect's traceback or "see the log"."""
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump(small_job(tmp_path, corpus_dir)), encoding="utf-8")
+    job = ["--preset", "micro", "--config", str(job_file)]
+    assert main(["run", "data-prep", *job]) == 0
+    capsys.readouterr()
+    flash = ["--set", "pretrain.model.decoder.attention.kind=flash_attn_2", "--set", "pretrain.retries=0"]
+    assert main(["run", "pretrain", *job, *flash]) == EXIT_FAILED
+    err = capsys.readouterr().err
+    assert "d9d: pretrain failed after" in err and "pretrain: a rank failed:" in err
+    assert "the attention backend 'flash_attn_2' needs the flash_attn package" in err  # the rank's own exception
+    assert f"(full log: {tmp_path / 'run' / '.pretrain.partial' / 'launch.log'})" in err
+    for prefect_or_torchrun in ("prefect/", "flow_engine", "ChildFailedError", "Encountered exception"):
+        assert prefect_or_torchrun not in err
+    assert "pretrain: done in" not in err  # the bar never started (no step ran): no end line at all
