@@ -155,3 +155,15 @@ def test_a_workdir_holding_a_foreign_folder_is_refused_and_the_folder_kept(capsy
     assert "raw/" in err and "--set replace_outputs=true" in err
     assert sorted(str(path.relative_to(shared)) for path in shared.rglob("*")) == before
     assert (shared / "data" / "raw" / "corpus.txt").read_text(encoding="utf-8") == "years of collected text\n"
+
+
+def test_the_last_line_says_how_to_see_the_flow_run(monkeypatch):
+    from d9d.flows.cli import flow_run_pointer
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    monkeypatch.setenv("PREFECT_HOME", "/home/me/.d9d/prefect")
+    assert flow_run_pointer("abc") == (
+        "Prefect flow run abc; to see it: PREFECT_HOME=/home/me/.d9d/prefect prefect flow-run inspect abc"
+    )
+    monkeypatch.setenv("PREFECT_API_URL", "http://scheduler:4200/api")
+    assert flow_run_pointer("abc") == "Prefect flow run abc: http://scheduler:4200/runs/flow-run/abc"
