@@ -5,6 +5,7 @@ was done."""
 import io
 import logging
 import re
+import threading
 import time
 
 import pytest
@@ -125,8 +126,10 @@ def test_tokenizer_training_updates_a_terminal_bar_while_it_runs(tmp_path, corpu
 
 def test_waiting_for_the_api_counts_seconds_in_a_log_and_says_how_long_it_took():
     log = io.StringIO()
+    threads = threading.active_count()
     with Waiting("d9d: starting Prefect", log, every=0.05):
         time.sleep(0.3)
+    assert threading.active_count() == threads  # its reporting thread is gone (the flows fork and spawn later)
     lines = _lines(log)
     seconds_so_far = [line for line in lines if re.fullmatch(r"d9d: starting Prefect: \d+ s so far", line)]
     assert len(seconds_so_far) >= 2  # the line updates while it waits, not one static line
@@ -135,8 +138,10 @@ def test_waiting_for_the_api_counts_seconds_in_a_log_and_says_how_long_it_took()
 
 def test_waiting_on_a_terminal_shows_a_spinner_with_elapsed_time():
     terminal = _Terminal()
+    threads = threading.active_count()
     with Waiting("d9d: starting Prefect", terminal):
         time.sleep(0.3)
+    assert threading.active_count() == threads  # rich's refresh thread is gone
     shown = terminal.getvalue()
     assert "0:00:00" in shown  # rich's elapsed column, redrawn by its refresh thread
     assert re.search(r"d9d: starting Prefect: ready in 0\.\d s", shown)
