@@ -135,18 +135,22 @@ class Waiting:
             self._spinner = RichProgress(
                 SpinnerColumn(),
                 TextColumn(self._description),
-                TimeElapsedColumn(),  # rich redraws it from its own thread: the seconds count while we wait
+                TimeElapsedColumn(),
                 console=Console(file=self._stream),
                 transient=True,
+                auto_refresh=False,  # redrawn by our own thread, which is joined before the flows start processes
             )
             self._spinner.start()
             self._spinner.add_task(self._description, total=None)
-        else:
-            self._thread = threading.Thread(target=self._report, name="d9d-waiting", daemon=True)
-            self._thread.start()
+        self._thread = threading.Thread(target=self._report, name="d9d-waiting", daemon=True)
+        self._thread.start()
         return self
 
     def _report(self) -> None:
+        if self._spinner is not None:
+            while not self._stop.wait(0.1):  # the spinner turns and the seconds count
+                self._spinner.refresh()
+            return
         while not self._stop.wait(self._every):
             self._write(f"{self._description}: {time.perf_counter() - self._started:.0f} s so far")
 
