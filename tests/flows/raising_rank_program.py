@@ -1,4 +1,5 @@
-"""A stand-in rank program that fails as a real one does: rank 1 raises deep in a call stack, rank 0 waits for it."""
+"""A stand-in rank program that fails as a real one does: with a process group (so torch prefixes its traceback's
+lines with `[rank1]: `), rank 1 raises deep in a call stack, rank 0 waits for it."""
 
 import os
 import sys
@@ -10,6 +11,9 @@ def check_schedule(steps: int) -> None:
 
 
 def main() -> int:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
     if int(os.environ["RANK"]) == 1:
         print("rank 1 is about to fail", flush=True)
         check_schedule(10)

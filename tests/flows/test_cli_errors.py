@@ -120,9 +120,10 @@ def test_a_workdir_under_a_file_names_the_file(capsys, tmp_path):
     assert f"workdir={tmp_path}/notes.txt/run is under {tmp_path}/notes.txt, which is a file" in err
 
 
-def test_a_run_shorter_than_the_presets_warm_up_fails_before_launch(capsys, tmp_path):
+@pytest.mark.parametrize("target", ["pipeline", "pretrain"])  # `d9d run pretrain`: the issue's own command
+def test_a_run_shorter_than_the_presets_warm_up_fails_before_launch(capsys, tmp_path, target):
     err = _error(
-        capsys, ["run", "pipeline", "--preset", "tiny", "--set", f"workdir={tmp_path}", "--set", "pretrain.steps=10"]
+        capsys, ["run", target, "--preset", "tiny", "--set", f"workdir={tmp_path}", "--set", "pretrain.steps=10"]
     )
     assert "d9d: error: pretrain.lr_schedule does not fit pretrain.steps=10" in err
     assert "raise pretrain.steps" in err
@@ -154,3 +155,15 @@ def test_a_workdir_holding_a_foreign_folder_is_refused_and_the_folder_kept(capsy
     assert "raw/" in err and "--set replace_outputs=true" in err
     assert sorted(str(path.relative_to(shared)) for path in shared.rglob("*")) == before
     assert (shared / "data" / "raw" / "corpus.txt").read_text(encoding="utf-8") == "years of collected text\n"
+
+
+def test_the_last_line_says_how_to_see_the_flow_run(monkeypatch):
+    from d9d.flows.cli import flow_run_pointer
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    monkeypatch.setenv("PREFECT_HOME", "/home/me/.d9d/prefect")
+    assert flow_run_pointer("abc") == (
+        "Prefect flow run abc; to see it: PREFECT_HOME=/home/me/.d9d/prefect prefect flow-run inspect abc"
+    )
+    monkeypatch.setenv("PREFECT_API_URL", "http://scheduler:4200/api")
+    assert flow_run_pointer("abc") == "Prefect flow run abc: http://scheduler:4200/runs/flow-run/abc"

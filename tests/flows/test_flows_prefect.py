@@ -14,8 +14,11 @@ from flows_corpora import small_job
 
 from d9d.core.checkpoint import latest_complete
 from d9d.flows.cli import EXIT_BAD_INPUT, EXIT_FAILED, main
+from d9d.flows.jobs.config import JobConfig
 from d9d.flows.jobs.contract import StageManifest
 from d9d.flows.jobs.faults import FAULT_ENV
+from d9d.flows.jobs.presets import preset
+from d9d.models.catalogue import read_parameters
 
 pytestmark = pytest.mark.isolated
 
@@ -99,6 +102,10 @@ def _check_pretrain_and_evaluate(workdir, out):
     assert statistics["init"] == f"the convert output {workdir / 'model' / 'checkpoint'}"
     assert statistics["steps"] == 8 and statistics["ranks"] == 2
     assert latest_complete(workdir / "pretrain" / "checkpoints").name == "step-00000008"
+    model = workdir / "pretrain" / "model"  # the trained model, self-describing
+    expected = JobConfig.model_validate(preset("micro")).pretrain.model.parameters  # (test_pretrain_program.py
+    assert read_parameters(model) == expected  # converts such a directory to transformers, same logits)
+    assert f"model              {model}" in out
     losses = [json.loads(line) for line in (workdir / "pretrain" / "losses.jsonl").read_text().splitlines()]
     assert [record["step"] for record in losses] == list(range(1, 9))
     tracker = statistics["tracker"]  # the default tracker: JSONL in the stage output, named in the summary
@@ -252,3 +259,23 @@ def test_stage_runs_from_a_job_file_with_overrides(prefect_api, tmp_path, capsys
     assert main([*changed, "--set", "replace_outputs=true"]) == 0
     assert "data-prep: ran (config changed (seed))" in capsys.readouterr().out
     assert StageManifest.read(tmp_path / "run" / "data").statistics["documents"] == 10
+
+
+def test_a_failing_rank_is_reported_by_its_own_error_without_a_prefect_stack(prefect_api, tmp_path, capsys, corpus_dir):
+    """A failure only the ranks can see (the flash_attn package is not installed here: preflight cannot know which
+    machine the ranks run on) reaches the user as that rank's own error, not Prefect's traceback or "see the log"."""
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump(small_job(tmp_path, corpus_dir)), encoding="utf-8")
+    job = ["--preset", "micro", "--config", str(job_file)]
+    assert main(["run", "data-prep", *job]) == 0
+    capsys.readouterr()
+    flash = ["--set", "pretrain.model.decoder.attention.kind=flash_attn_2", "--set", "pretrain.retries=0"]
+    assert main(["run", "pretrain", *job, *flash]) == EXIT_FAILED
+    err = capsys.readouterr().err
+    assert "d9d: pretrain failed after" in err and "pretrain: a rank failed:" in err
+    assert "the attention backend 'flash_attn_2' needs the flash_attn package" in err  # the rank's own exception
+    assert f"(full log: {tmp_path / 'run' / '.pretrain.partial' / 'launch.log'})" in err
+    # The rank's last traceback lines only: no traceback header, no frame of Prefect's engine or of torchrun.
+    for stack in ("Traceback", "site-packages/prefect", "flow_engine", "ChildFailedError", "Encountered exception"):
+        assert stack not in err, err
+    assert "pretrain: done in" not in err  # the bar never started (no step ran): no end line at all

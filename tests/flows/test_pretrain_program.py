@@ -1,11 +1,13 @@
 """The pretrain and evaluate rank programs on 2 gloo ranks: config file + overrides -> Trainer over token shards ->
-resume; a checkpoint's held-out loss, perplexity and bits per byte through Inference."""
+resume; the trained model as a self-describing directory that converts to `transformers`; a checkpoint's held-out
+loss, perplexity and bits per byte through Inference."""
 
 import json
 import math
 
 import numpy as np
 import pytest
+import torch
 import torch.distributed as dist
 import yaml
 
@@ -13,6 +15,10 @@ from d9d.core.checkpoint import latest_complete
 from d9d.core.data import TokenShardIndex, TokenShardSetWriter
 from d9d.flows.jobs.evaluate.program import main as evaluate
 from d9d.flows.jobs.pretrain.program import main
+from d9d.models.catalogue import read_parameters
+from d9d.models.qwen3 import Qwen3DenseParameters
+from d9d.states import CheckpointSource
+from hf_parity import assert_loads_in_transformers_with_the_same_logits, convert_to_hf
 
 pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module.*returned a view tensor:UserWarning")
 
@@ -53,6 +59,23 @@ def test_pretrain_program_trains_checkpoints_and_resumes(job_file):
     (metrics,) = (root / "metrics").glob("*.jsonl")  # one run identity across the resume
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.distributed(world_size=2, timeout=300)
+def test_the_trained_model_directory_converts_to_transformers_with_the_same_logits(job_file):
+    root = job_file.parent
+    model = root / "model"
+    assert main(["--config", str(job_file), "--set", f"model_output={model}"]) == 0
+    dist.barrier()  # rank 0 writes parameters.json
+    assert read_parameters(model) == Qwen3DenseParameters(**TINY_DENSE)  # the directory says what it holds
+    source = CheckpointSource.open(model)
+    assert {meta.shape for meta in source.metas().values()} >= {(96, 32)}  # whole tensors, gathered from FSDP
+    converted = root / "hf"
+    convert_to_hf(model, converted)  # one command, as docs/flows.md shows it
+    if dist.get_rank() == 0:
+        ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(5))
+        assert_loads_in_transformers_with_the_same_logits(model, converted, ids)
+    dist.barrier()
 
 
 @pytest.mark.distributed(world_size=2, timeout=180)

@@ -15,12 +15,11 @@ import yaml
 from d9d.core.data import TokenShardSetWriter
 from d9d.flows.cli import main as d9d
 from d9d.flows.jobs.finetune.program import main as finetune
-from d9d.models import materialize_
 from d9d.models.catalogue import read_parameters
-from d9d.models.config import DecoderConfig
-from d9d.models.qwen3 import Qwen3DenseForCausalLM, Qwen3DenseParameters
+from d9d.models.qwen3 import Qwen3DenseParameters
 from d9d.models.random_checkpoint import write_random_hf_checkpoint
-from d9d.states import CheckpointSource, load_model_state
+from d9d.states import CheckpointSource
+from hf_parity import EAGER, assert_loads_in_transformers_with_the_same_logits, convert_to_hf
 
 pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module.*returned a view tensor:UserWarning")
 
@@ -29,7 +28,6 @@ DENSE = Qwen3DenseParameters(
     vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2, num_attention_heads=4,
     num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
 )  # fmt: skip
-EAGER = {"attention": {"kind": "eager"}, "grouped_mm": {"kind": "eager"}}
 LORA = {"kind": "lora", "module_name_pattern": r".*\.self_attn\.(q|v)_proj", "params": {"r": 4, "alpha": 8}}
 IDS = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(9))
 
@@ -51,32 +49,6 @@ def _full_tensors(directory) -> dict[str, torch.Tensor]:
     source = CheckpointSource.open(directory)
     with source.open_reader() as reader:
         return {name: reader.read(name).float() for name in source.metas()}
-
-
-def _d9d_model(directory):
-    """A plain (unsharded) d9d model with the weights of a d9d-layout directory (its parameters.json says which)."""
-    parameters = read_parameters(directory)
-    with torch.device("meta"):
-        model = Qwen3DenseForCausalLM(parameters, config=DecoderConfig.model_validate(EAGER))
-    materialize_(model, "cpu")
-    load_model_state(directory, model)
-    return model
-
-
-def _convert_to_hf(directory, destination) -> None:
-    """`d9d convert --mapping qwen3-d9d-to-hf` (collective inside a process group: every rank calls it)."""
-    assert d9d(["convert", "--mapping", "qwen3-d9d-to-hf", str(directory), str(destination)]) == 0
-
-
-def _loads_in_transformers_with_the_same_logits(directory, converted) -> None:
-    import transformers
-
-    assert json.loads((converted / "config.json").read_text())["model_type"] == "qwen3"
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(converted, attn_implementation="eager")
-    ours = _d9d_model(directory)
-    with torch.no_grad():
-        # fp32 both sides over the same weights: only the kernels' summation order differs.
-        torch.testing.assert_close(loaded.float()(IDS).logits, ours(IDS).logits, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.distributed(world_size=2, timeout=300)
@@ -122,5 +94,5 @@ def test_fsdp_lora_fine_tune_from_a_safetensors_base(tmp_path, layout):
 
     if layout == "d9d":  # both model directories the pipeline writes convert to a loadable transformers model
         for directory, converted in ((d9d_base, root / "hf-from-base"), (merged, root / "hf-from-merged")):
-            _convert_to_hf(directory, converted)
-            _on_rank_zero(lambda: _loads_in_transformers_with_the_same_logits(directory, converted))  # noqa: B023
+            convert_to_hf(directory, converted)
+            _on_rank_zero(lambda: assert_loads_in_transformers_with_the_same_logits(directory, converted, IDS))  # noqa: B023

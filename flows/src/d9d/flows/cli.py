@@ -164,20 +164,23 @@ def _run(target: str, config: JobConfig, *, source: str) -> int:
     say = sys.stderr.write
     say(f"d9d: running {target} ({source}); outputs under {config.workdir}\n")
     say(f"d9d: flows report to {prefect_target.description}\n")
-    if prefect_target.mode == "embedded":
-        say("d9d: (the embedded API starts on first use: 15-20 s on a small machine)\n")
     started = time.perf_counter()
+    from d9d.flows.console import TerminalProgress, Waiting, set_progress
 
-    from d9d.flows.console import TerminalProgress, set_progress
-    from d9d.flows.pipeline import pipeline_flow
-    from d9d.flows.stage_flow import with_retries
-
-    flow = pipeline_flow if target == "pipeline" else with_retries(target, config)
-    quiet_failures_on_the_console()
-    set_progress(TerminalProgress())
     previous_sigterm = signal.signal(signal.SIGTERM, _terminated)
     try:
-        with _api(prefect_target.mode):
+        with contextlib.ExitStack() as api:
+            # Importing Prefect takes seconds, and a fresh embedded database 15-20 s more on a small machine.
+            embedded = prefect_target.mode == "embedded"
+            starting = "the embedded Prefect API (15-20 s on a small machine)" if embedded else "Prefect"
+            with Waiting(f"d9d: starting {starting}"):
+                from d9d.flows.pipeline import pipeline_flow
+                from d9d.flows.stage_flow import with_retries
+
+                api.enter_context(_api(prefect_target.mode))
+            flow = pipeline_flow if target == "pipeline" else with_retries(target, config)
+            quiet_failures_on_the_console()
+            set_progress(TerminalProgress())
             state = flow(config, return_state=True)  # the validated config itself: no second validation here
     except KeyboardInterrupt as interrupt:
         name = "SIGTERM" if isinstance(interrupt, Terminated) else "SIGINT"

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections.abc import Sequence
+from types import TracebackType
 from typing import IO, Any
 
 from d9d.flows.jobs.contract import StageResult
@@ -37,7 +39,7 @@ class TerminalProgress:
         self._next = 0.0
         self._description = ""
         self._unit = ""
-        self._started = 0.0
+        self._started: float | None = None  # None: not started (nothing to finish)
 
     def note(self, message: str) -> None:
         self._write(f"  {message}")
@@ -82,11 +84,11 @@ class TerminalProgress:
         if self._bar is not None:
             self._bar.update(self._task, advance=amount, note=note)
             return
-        if self._done >= self._next or self._done >= self._total:
+        if amount > 0 and (self._done >= self._next or self._done >= self._total):  # a note alone: no new line
             self._next = self._done + self._total / 10
             share = 100.0 * self._done / self._total if self._total else 100.0
             eta = ""
-            if 0 < self._done < self._total:
+            if 0 < self._done < self._total and self._started is not None:
                 left = (time.perf_counter() - self._started) * (self._total - self._done) / self._done
                 eta = f", about {left:.0f} s left"
             counted = "" if self._unit == "B" else f" {self._done:.0f}/{self._total:.0f} {self._unit}"
@@ -96,11 +98,72 @@ class TerminalProgress:
         if self._bar is not None:
             self._bar.stop()
             self._bar = None
-        seconds = time.perf_counter() - self._started
+        if self._started is None:  # the work failed before it started (e.g. torchrun never came up): no bar to end
+            return
+        seconds, self._started = time.perf_counter() - self._started, None
         if failed:  # an error or a signal stopped it: say how far it got, not "done"
             self._write(f"  {self._description}: stopped after {seconds:.1f} s ({self._done:.0f} of {self._total:.0f})")
             return
-        self._write(f"  {self._description}: done in {seconds:.1f} s ({rate(self._done, seconds, self._unit)})")
+        speed = f" ({rate(self._done, seconds, self._unit)})" if self._done > 0 else ""
+        self._write(f"  {self._description}: done in {seconds:.1f} s{speed}")
+
+    def _write(self, line: str) -> None:
+        self._stream.write(line + "\n")
+        self._stream.flush()
+
+
+class Waiting:
+    """A wait with no amount to count (the Prefect API starting): a spinner with live elapsed seconds on a terminal,
+    a line every `every` seconds otherwise; at the end one line saying how long it took, or that it failed."""
+
+    def __init__(self, description: str, stream: IO[str] | None = None, *, every: float = 5.0) -> None:
+        self._description = description
+        self._stream = stream or sys.stderr
+        self._every = every
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._spinner: Any = None
+        self._started = 0.0
+
+    def __enter__(self) -> Waiting:
+        self._started = time.perf_counter()
+        if self._stream.isatty():
+            from rich.console import Console
+            from rich.progress import Progress as RichProgress
+            from rich.progress import SpinnerColumn, TextColumn, TimeElapsedColumn
+
+            self._spinner = RichProgress(
+                SpinnerColumn(),
+                TextColumn(self._description),
+                TimeElapsedColumn(),
+                console=Console(file=self._stream),
+                transient=True,
+                auto_refresh=False,  # redrawn by our own thread, which is joined before the flows start processes
+            )
+            self._spinner.start()
+            self._spinner.add_task(self._description, total=None)
+        self._thread = threading.Thread(target=self._report, name="d9d-waiting", daemon=True)
+        self._thread.start()
+        return self
+
+    def _report(self) -> None:
+        if self._spinner is not None:
+            while not self._stop.wait(0.1):  # the spinner turns and the seconds count
+                self._spinner.refresh()
+            return
+        while not self._stop.wait(self._every):
+            self._write(f"{self._description}: {time.perf_counter() - self._started:.0f} s so far")
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self._spinner is not None:
+            self._spinner.stop()
+        seconds = time.perf_counter() - self._started
+        self._write(f"{self._description}: {'stopped after' if kind is not None else 'ready in'} {seconds:.1f} s")
 
     def _write(self, line: str) -> None:
         self._stream.write(line + "\n")

@@ -48,7 +48,7 @@ class LogProgress:
 
     def advance(self, amount: float, note: str = "") -> None:
         self._done += amount
-        if self._done >= self._next_report or self._done >= self._total:
+        if amount > 0 and (self._done >= self._next_report or self._done >= self._total):  # a note alone: no line
             self._next_report = self._done + self._total * self._every
             share = 100.0 * self._done / self._total if self._total else 100.0
             self._logger.info(
@@ -66,10 +66,12 @@ class LogProgress:
         if failed:
             self._logger.info("%s: stopped after %.1f s (%s of %s %s)", self._description, seconds,
                               _amount(self._done), _amount(self._total), self._unit)  # fmt: skip
-        else:
+        elif self._done > 0:
             self._logger.info(
                 "%s: done in %.1f s (%s)", self._description, seconds, rate(self._done, seconds, self._unit)
             )
+        else:  # nothing counted: no "0.0 units/s"
+            self._logger.info("%s: done in %.1f s", self._description, seconds)
 
 
 class NoProgress:

@@ -7,6 +7,7 @@ the exception) are what a user needs; the whole log stays on disk for the rest.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,23 +23,39 @@ class RankProgramError(LaunchError):
 
 
 def last_rank_error(log: str, *, lines: int = 6) -> str | None:
-    """The last lines of the last traceback a rank printed in `log` (torchrun's own traceback skipped)."""
+    """The last lines of the last traceback a rank printed in `log` (torchrun's own traceback skipped).
+
+    A rank with a process group prints its uncaught traceback with each line prefixed `[rankN]: ` (torch's excepthook),
+    and the ranks' lines interleave in the log: each rank's traceback is followed on its own prefix, and shown
+    without it.
+    """
     found: list[list[str]] = []
-    current: list[str] | None = None
-    for line in log.splitlines():
+    current: dict[str, list[str]] = {}  # rank prefix ("" for none) -> the traceback it is printing
+    for raw in log.splitlines():
+        prefix, line = _split_rank_prefix(raw)
         if line.strip() == TRACEBACK:
-            current = [line]
+            current[prefix] = [line]
             continue
-        if current is None:
+        block = current.get(prefix)
+        if block is None:
             continue
-        current.append(line)
+        block.append(line)
         if line and not line[0].isspace() and not line.startswith(TRACEBACK):
-            found.append(current)  # the exception line ends a traceback
-            current = None
+            found.append(block)  # the exception line ends a traceback
+            del current[prefix]
     ranks = [block for block in found if not any(marker in block[-1] for marker in LAUNCHER_ERRORS)]
     if not ranks:
         return None
     return "\n".join(line.rstrip() for line in ranks[-1][-lines:])
+
+
+def _split_rank_prefix(line: str) -> tuple[str, str]:
+    """(`[rankN]:`, the rest) for a line torch prefixed with its rank, ("", line) otherwise."""
+    match = _RANK_PREFIX.match(line)
+    return (match.group(1), line[match.end() :]) if match else ("", line)
+
+
+_RANK_PREFIX = re.compile(r"(\[rank\d+\]:) ?")
 
 
 @contextmanager

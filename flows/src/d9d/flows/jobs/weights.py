@@ -1,7 +1,9 @@
-"""Load a converted checkpoint (d9d layout, safetensors) into a model whose dtypes may differ from the file's.
+"""Model directories in and out of the rank programs: d9d-layout safetensors with the model's `parameters.json`.
 
-The convert stage writes bfloat16 by default while training and evaluation on CPU run in float32; the load casts
-each tensor to the module's dtype as it streams (d9d-states checks shapes and names as usual).
+Loading: the convert stage writes bfloat16 by default while training and evaluation on CPU run in float32; the load
+casts each tensor to the module's dtype as it streams (d9d-states checks shapes and names as usual).
+Saving: every model directory a stage writes describes itself, so `d9d convert --mapping qwen3-d9d-to-hf DIR HF`
+gives a directory `transformers` loads.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from d9d.states import LoadReport, load_model_state
+from d9d.core.dist import DistributedContext
+from d9d.models.catalogue import AnyModelParameters, write_parameters
+from d9d.states import LoadReport, load_model_state, save_model_state
 from d9d.states.mapper import CastDtype, Identity, ModelStateMapper, Parallel
 
 
@@ -32,3 +36,13 @@ def casting_mapper(targets: Mapping[str, torch.Tensor]) -> ModelStateMapper:
 
 def load_converted_weights(source: Path, model: nn.Module) -> LoadReport:
     return load_model_state(source, model, casting_mapper(model.state_dict()))
+
+
+def save_model_directory(
+    directory: Path, state: Mapping[str, torch.Tensor], parameters: AnyModelParameters, ctx: DistributedContext
+) -> None:
+    """Write `state` (DTensors gathered group by group; every rank calls this) as a d9d-layout safetensors directory,
+    and its `parameters.json` (the model's kind and shapes) from the main process."""
+    save_model_state(directory, state, overwrite=True)
+    if ctx.is_main_process:
+        write_parameters(directory, parameters)

@@ -39,6 +39,16 @@ class FileFingerprint:
     def of(cls, path: Path, *, name: str | None = None) -> FileFingerprint:
         return cls(name=name if name is not None else str(path), size=path.stat().st_size, sha256=sha256_file(path))
 
+    @classmethod
+    def of_tree(cls, root: Path, *, prefix: str = "", hidden: bool = True) -> list[FileFingerprint]:
+        """Every file below `root` in path order, named `prefix` + its path under `root` (`hidden=False` leaves out
+        dot files, e.g. a conversion's record of what it wrote)."""
+        return [
+            cls.of(path, name=f"{prefix}{path.relative_to(root)}")
+            for path in sorted(root.rglob("*"))
+            if path.is_file() and (hidden or not path.name.startswith("."))
+        ]
+
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "size": self.size, "sha256": self.sha256}
 

@@ -108,6 +108,16 @@ class PartialStage:
                 return None
         return piece
 
+    def files_in(self, *folders: str) -> list[str]:
+        """Every file under each of `folders` of the partial directory, relative to it, in path order (what a
+        stage lists for its commit)."""
+        return [
+            str(path.relative_to(self.root))
+            for folder in folders
+            for path in sorted((self.root / folder).rglob("*"))
+            if path.is_file()
+        ]
+
     def record(self, name: str, key: str, files: Sequence[str], data: dict[str, Any]) -> Piece:
         """Record piece `name` as finished for `key`; `files` are relative to the partial directory."""
         piece = Piece(

@@ -89,11 +89,7 @@ def prepare_source(
 def plan_convert(
     config: ConvertConfig, output: Path, source: Path, *, architecture: Qwen3DenseParameters = TINY_QWEN3_MOE
 ) -> ConvertPlan:
-    inputs = tuple(
-        FileFingerprint.of(path, name=str(path.relative_to(source)))
-        for path in sorted(source.rglob("*"))
-        if path.is_file() and not path.name.startswith(".")
-    )
+    inputs = tuple(FileFingerprint.of_tree(source, hidden=False))
     mapping = mapping_of(config, architecture)
     key_config = {"mapping": mapping, "max_shard_bytes": config.max_shard_bytes}
     key = StageKey(stage=STAGE_NAME, stage_version=STAGE_VERSION, config=key_config, inputs=inputs)
@@ -108,7 +104,7 @@ def run_convert(plan: ConvertPlan, partial: PartialStage) -> tuple[list[str], di
         plan.source, destination, mapping.factory, max_shard_bytes=plan.config.max_shard_bytes, overwrite=True
     )
     mapping.convert_config(plan.source, destination, None)
-    files = sorted(str(path.relative_to(partial.root)) for path in destination.rglob("*") if path.is_file())
+    files = sorted(partial.files_in(CHECKPOINT_DIR))
     statistics = {
         "mapping": plan.mapping,
         "files": len(report.files),

@@ -269,10 +269,7 @@ def _tokenizer_piece(
     match config.tokenizer:
         case TrainBpeTokenizer():
             progress.note(f"tokenizer: training a byte-level BPE with {config.tokenizer.vocab_size} tokens")
-            # In a worker process: training starts a thread pool, which must not live on in a process that
-            # forks later (test harnesses, orchestrators); it also returns the training memory when it ends.
-            with ProcessPoolExecutor(max_workers=1, mp_context=_worker_context()) as executor:
-                executor.submit(train_tokenizer_file, plan, path).result()
+            _train_in_a_worker(plan, path, progress)
             tokenizer = load_tokenizer_file(path)
         case FileTokenizer():
             tokenizer = load_tokenizer_file(config.tokenizer.path)
@@ -286,10 +283,64 @@ def _tokenizer_piece(
     return info, seconds, False
 
 
+def _train_in_a_worker(plan: DataPrepPlan, path: Path, progress: Progress) -> None:
+    """Train in a worker process, showing the documents the trainer has read and then its merging, live.
+
+    In a worker process: training starts a thread pool, which must not live on in a process that forks later (test
+    harnesses, orchestrators); it also returns the training memory when it ends. `tokenizers` exposes no progress
+    but its own terminal bar, so the worker counts the documents it hands the trainer into shared memory and this
+    process polls the count; once every document is read, the trainer merges pairs (the bar's clock keeps running).
+    """
+    context = _worker_context()
+    documents_read = context.Value("q", 0, lock=False)  # one writer (the worker): no lock needed
+    all_read = context.Value("b", 0, lock=False)
+    progress.start("tokenizer training", total=float(plan.documents - len(plan.validation)), unit="documents")
+    shown = 0
+    failed = True
+    try:
+        with ProcessPoolExecutor(
+            max_workers=1, mp_context=context, initializer=_TrainingCounter.share, initargs=(documents_read, all_read)
+        ) as executor:
+            training = executor.submit(train_tokenizer_file, plan, path)
+            while not training.done():
+                wait([training], timeout=_TRAINING_POLL_SECONDS)
+                read = int(documents_read.value)
+                progress.advance(float(read - shown), "merging pairs" if all_read.value else "reading")
+                shown = read
+            training.result()
+        failed = False
+    finally:
+        progress.finish(failed=failed)
+
+
+_TRAINING_POLL_SECONDS = 0.5
+
+
+class _TrainingCounter:
+    """The worker's shared count of training documents handed to the trainer (set by the pool's initializer)."""
+
+    documents_read: Any = None
+    all_read: Any = None
+
+    @classmethod
+    def share(cls, documents_read: Any, all_read: Any) -> None:
+        cls.documents_read, cls.all_read = documents_read, all_read
+
+    @classmethod
+    def count(cls, texts: Iterator[str]) -> Iterator[str]:
+        """`texts`, counting each into the shared counter, and flagging the end (the trainer then merges)."""
+        for text in texts:
+            yield text
+            if cls.documents_read is not None:
+                cls.documents_read.value += 1
+        if cls.all_read is not None:
+            cls.all_read.value = 1
+
+
 def train_tokenizer_file(plan: DataPrepPlan, path: Path) -> None:
     """Train the plan's BPE on its training split and save it to `path` (runs in a worker process)."""
     assert isinstance(plan.config.tokenizer, TrainBpeTokenizer)
-    train_bpe(_training_texts(plan), plan.config.tokenizer).save(str(path))
+    train_bpe(_TrainingCounter.count(_training_texts(plan)), plan.config.tokenizer).save(str(path))
 
 
 def _training_texts(plan: DataPrepPlan) -> Iterator[str]:

@@ -126,11 +126,7 @@ def tokenizer_vocab_size(data_output: Path) -> int | None:
 
 
 def _shard_fingerprints(shards: Path, split: str) -> list[FileFingerprint]:
-    return [
-        FileFingerprint.of(path, name=f"{split}/{path.relative_to(shards)}")
-        for path in sorted(shards.rglob("*"))
-        if path.is_file()
-    ]
+    return FileFingerprint.of_tree(shards, prefix=f"{split}/")
 
 
 def plan_evaluate(config: EvaluateStageConfig, inputs: EvaluateInputs, output: Path) -> EvaluatePlan:

@@ -15,44 +15,34 @@ a Hugging Face directory), and an optimizer over the trainable parameters only. 
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import assert_never
 
 from torch import nn
-from torch.optim import Optimizer
-from torch.optim.lr_scheduler import LRScheduler
 
 from d9d.core.config import load_config
-from d9d.core.data.loader_config import SequentialOrderConfig, ShuffledOrderConfig
+from d9d.core.data.loader_config import SequentialOrderConfig
 from d9d.core.dist import DistributedContext
-from d9d.core.loop import BuiltModel, EventBus, LoaderDataSource, ModelLoader, TrainResult, build_trainer, evaluate
+from d9d.core.loop import BuiltModel, EventBus, LoaderDataSource, ModelLoader, TrainResult, evaluate
 from d9d.core.loop.reduce import dp_group
-from d9d.core.lr import build_lr_scheduler
-from d9d.core.optim import build_optimizer
 from d9d.flows.jobs.finetune.base import load_base, resolve_base
 from d9d.flows.jobs.finetune.config import FinetuneRankConfig
-from d9d.flows.jobs.launch import prepare_rank
-from d9d.flows.jobs.optimizer_kernels import register_optimizer_kernels
-from d9d.flows.jobs.rank_wiring import PackedCausalLMTask, packed_loader, report_progress
+from d9d.flows.jobs.rank_wiring import PackedCausalLMTask, build_stage_trainer, packed_loader, training_rank_main
+from d9d.flows.jobs.weights import save_model_directory
 from d9d.metrics.trackers import build_tracker
 from d9d.models.catalogue import (
     AnyModelConfig,
     Qwen3DenseModelConfig,
     Qwen3MoeModelConfig,
     build_model,
-    write_parameters,
 )
 from d9d.models.qwen3 import mapper_to_huggingface_qwen3_dense, mapper_to_huggingface_qwen3_moe
-from d9d.parallel import clip_grad_norm_
 from d9d.peft import PeftInjectionResult, PeftMethod, build_peft_method, inject_peft_and_freeze, merge_peft
 from d9d.peft.export import export_hf_peft_adapter
 from d9d.peft.loading import save_trainable_state
-from d9d.states import save_model_state
 from d9d.states.mapper import ModelStateMapper
 
 REPORT_FILE = "finetune.json"
@@ -113,9 +103,8 @@ def export_outputs(
         export_hf_peft_adapter(model, to_hf_mapper(config.model), output / "hf_peft", write=ctx.is_main_process)
     merge_peft(method, model)
     merged = {name: value for name, value in model.state_dict().items() if name not in injection.adapter_names}
-    save_model_state(output / MERGED_DIR, merged, overwrite=True)
+    save_model_directory(output / MERGED_DIR, merged, config.model.parameters, ctx)
     if ctx.is_main_process:
-        write_parameters(output / MERGED_DIR, config.model.parameters)  # a model directory says what it holds
         (output / PEFT_FILE).write_text(config.stage.peft.model_dump_json(indent=2) + "\n", encoding="utf-8")
 
 
@@ -142,40 +131,20 @@ def run_finetune(config: FinetuneRankConfig, ctx: DistributedContext, events: Ev
             tensor_parallel=stage.tensor_parallel,
         )
 
-    def data_provider(ctx: DistributedContext, microbatches_per_step: int) -> LoaderDataSource:
-        loader = packed_loader(
-            ctx,
-            config.train_shards,
-            seq_len=config.seq_len,
-            global_batch_rows=stage.global_batch_rows,
-            order=ShuffledOrderConfig(seed=stage.shuffle_seed),
-            epochs=None,
-        )
-        return LoaderDataSource(loader, microbatches_per_step)
-
-    def optimizer_provider(model: nn.Module) -> Optimizer:
-        register_optimizer_kernels(stage.optimizer)
-        # Only what trains: the optimizer then holds state for the adapters alone.
-        return build_optimizer(stage.optimizer, [param for param in model.parameters() if param.requires_grad])
-
-    def lr_provider(optimizer: Optimizer, total_steps: int) -> LRScheduler:
-        return build_lr_scheduler(stage.lr_schedule, optimizer, total_steps)
-
     tracker = build_tracker(
         config.tracker, enabled=ctx.is_main_process, hparams=config.model_dump(mode="json"), name="finetune"
     )
-    trainer = build_trainer(
+    trainer = build_stage_trainer(
         ctx,
-        stage.trainer_config(config.checkpoints, trainable_only=True),  # the base is loaded; only adapters are new
+        stage,
+        checkpoints=config.checkpoints,
+        train_shards=config.train_shards,
+        seq_len=config.seq_len,
         model_provider=model_provider,
-        task=PackedCausalLMTask(),
-        data_provider=data_provider,
-        optimizer_provider=optimizer_provider,
-        lr_scheduler_provider=lr_provider,
         loader=load,
-        clipper=clip_grad_norm_,
         tracker=tracker,
         events=events,
+        trainable_only=True,  # the base is loaded; only adapters are new
     )
     model = trainer.parts.model
     before = validation_loss(config, ctx, model)
@@ -199,27 +168,21 @@ def run_finetune(config: FinetuneRankConfig, ctx: DistributedContext, events: Ev
     return finetune
 
 
+def _train(config: FinetuneRankConfig, ctx: DistributedContext, events: EventBus) -> str:
+    result = run_finetune(config, ctx, events)
+    return (
+        f"finetune finished at step {result.train.last_step}: validation loss {result.validation_loss_before} -> "
+        f"{result.validation_loss_after}"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    prepare_rank()  # its Python stack on SIGUSR2, for the launcher's report of a failed group
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", type=Path, required=True)
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    args = parser.parse_args(argv)
-    config = load_config(FinetuneRankConfig, args.config, args.overrides)  # the one validation in this process
-    stage = config.stage
-    timeout = timedelta(seconds=stage.trainer_config(config.checkpoints).collective_timeout_s)
-    with DistributedContext.build(stage.degrees, device=stage.device, timeout=timeout) as ctx:
-        events = EventBus()
-        if ctx.is_main_process:  # progress lines for the launcher (the fine-tune stage's progress and losses)
-            report_progress(events, stage.steps)
-        result = run_finetune(config, ctx, events)
-        ctx.logger.info(
-            "finetune finished at step %d: validation loss %s -> %s",
-            result.train.last_step,
-            result.validation_loss_before,
-            result.validation_loss_after,
-        )
-    return 0
+    return training_rank_main(
+        argv,
+        __doc__,
+        lambda path, overrides: load_config(FinetuneRankConfig, path, overrides),  # the one validation on a rank
+        _train,
+    )
 
 
 if __name__ == "__main__":

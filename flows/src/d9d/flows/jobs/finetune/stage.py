@@ -113,11 +113,7 @@ def plan_finetune(config: FinetuneStageConfig, inputs: FinetuneInputs, output: P
     if inputs.base_manifest is not None:
         fingerprints.insert(0, FileFingerprint.of(inputs.base_manifest / MANIFEST_FILENAME, name="pretrain/manifest"))
     else:
-        fingerprints += [
-            FileFingerprint.of(path, name=f"base/{path.relative_to(inputs.base)}")
-            for path in sorted(inputs.base.rglob("*"))
-            if path.is_file() and not path.name.startswith(".")
-        ]
+        fingerprints += FileFingerprint.of_tree(inputs.base, prefix="base/", hidden=False)
     key_config = {
         **config.key_config(),
         "model": inputs.model.model_dump(mode="json"),
@@ -190,9 +186,7 @@ def commit(
     directory: StageDirectory, partial: PartialStage, plan: FinetunePlan, statistics: dict[str, Any]
 ) -> StageResult:
     files = [JOB_FILE, LOSSES_FILE, LOG_FILE, REPORT_FILE, PEFT_FILE]
-    for name in (CHECKPOINTS_DIR, TRACKER_DIR, ADAPTER_DIR, MERGED_DIR, "hf_peft"):
-        folder = partial.root / name
-        files += sorted(str(path.relative_to(partial.root)) for path in folder.rglob("*") if path.is_file())
+    files += partial.files_in(CHECKPOINTS_DIR, TRACKER_DIR, ADAPTER_DIR, MERGED_DIR, "hf_peft")
     return REPORTER.commit(directory, partial, plan.key, plan.output, outputs=files, statistics=statistics)
 
 

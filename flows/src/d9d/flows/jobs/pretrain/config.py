@@ -45,6 +45,9 @@ class PretrainRankConfig(BaseModel):
     train_shards: Path = Field(description="a token-shard set (the data-prep stage's train split)")
     checkpoints: Path = Field(description="job checkpoints go here; the newest complete one is resumed")
     init_weights: Path | None = Field(default=None, description="a d9d-layout safetensors checkpoint to start from")
+    model_output: Path | None = Field(
+        default=None, description="the trained model, written here as d9d-layout safetensors with parameters.json"
+    )
     tracker: AnyTrackerConfig = Field(
         default_factory=NoTrackerConfig, description="experiment tracker (rank 0 writes), e.g. jsonl or aim"
     )

@@ -3,34 +3,24 @@
 Every rank runs the same wiring: distributed context, the model from d9d-models' catalogue (meta -> parallel plan
 -> materialise -> optional `init_weights` load through d9d-states), packed token-shard data through
 `build_data_loader`, optimizer and LR schedule from the section, and the d9d-core `Trainer` (which resumes from the
-newest complete checkpoint in `checkpoints`). No Prefect here.
+newest complete checkpoint in `checkpoints`). At the end, `model_output` gets the trained model as a self-describing
+d9d model directory (safetensors + `parameters.json`). No Prefect here.
 """
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
-from datetime import timedelta
-from pathlib import Path
 
 from torch import nn
-from torch.optim import Optimizer
-from torch.optim.lr_scheduler import LRScheduler
 
 from d9d.core.config import load_config
-from d9d.core.data.loader_config import ShuffledOrderConfig
 from d9d.core.dist import DistributedContext
-from d9d.core.loop import BuiltModel, EventBus, LoaderDataSource, ModelLoader, TrainResult, build_trainer
-from d9d.core.lr import build_lr_scheduler
-from d9d.core.optim import build_optimizer
-from d9d.flows.jobs.launch import prepare_rank
-from d9d.flows.jobs.optimizer_kernels import register_optimizer_kernels
+from d9d.core.loop import BuiltModel, EventBus, ModelLoader, TrainResult
 from d9d.flows.jobs.pretrain.config import PretrainRankConfig
-from d9d.flows.jobs.rank_wiring import PackedCausalLMTask, packed_loader, report_progress
-from d9d.flows.jobs.weights import load_converted_weights
+from d9d.flows.jobs.rank_wiring import build_stage_trainer, training_rank_main
+from d9d.flows.jobs.weights import load_converted_weights, save_model_directory
 from d9d.metrics.trackers import build_tracker
 from d9d.models.catalogue import build_model
-from d9d.parallel import clip_grad_norm_
 
 
 def run_pretrain(config: PretrainRankConfig, ctx: DistributedContext, events: EventBus | None = None) -> TrainResult:
@@ -39,24 +29,6 @@ def run_pretrain(config: PretrainRankConfig, ctx: DistributedContext, events: Ev
 
     def model_provider(ctx: DistributedContext, loader: ModelLoader | None) -> BuiltModel:
         return build_model(stage.model, ctx, stage.data_parallel, loader=loader, tensor_parallel=stage.tensor_parallel)
-
-    def data_provider(ctx: DistributedContext, microbatches_per_step: int) -> LoaderDataSource:
-        loader = packed_loader(
-            ctx,
-            config.train_shards,
-            seq_len=stage.seq_len,
-            global_batch_rows=stage.global_batch_rows,
-            order=ShuffledOrderConfig(seed=stage.shuffle_seed),
-            epochs=None,
-        )
-        return LoaderDataSource(loader, microbatches_per_step)
-
-    def optimizer_provider(model: nn.Module) -> Optimizer:
-        register_optimizer_kernels(stage.optimizer)
-        return build_optimizer(stage.optimizer, model.parameters())
-
-    def lr_provider(optimizer: Optimizer, total_steps: int) -> LRScheduler:
-        return build_lr_scheduler(stage.lr_schedule, optimizer, total_steps)
 
     init_weights = config.init_weights
     loader: ModelLoader | None = None
@@ -70,40 +42,36 @@ def run_pretrain(config: PretrainRankConfig, ctx: DistributedContext, events: Ev
     tracker = build_tracker(
         config.tracker, enabled=ctx.is_main_process, hparams=config.model_dump(mode="json"), name="pretrain"
     )
-    trainer = build_trainer(
+    trainer = build_stage_trainer(
         ctx,
-        stage.trainer_config(config.checkpoints),
+        stage,
+        checkpoints=config.checkpoints,
+        train_shards=config.train_shards,
+        seq_len=stage.seq_len,
         model_provider=model_provider,
-        task=PackedCausalLMTask(),
-        data_provider=data_provider,
-        optimizer_provider=optimizer_provider,
-        lr_scheduler_provider=lr_provider,
         loader=loader,
-        clipper=clip_grad_norm_,
         tracker=tracker,
         events=events,
     )
     result = trainer.train()
     tracker.close()  # only after a normal return: a crashed attempt must not flush steps it will replay
+    if config.model_output is not None and not result.preempted:
+        save_model_directory(config.model_output, trainer.parts.model.state_dict(), stage.model.parameters, ctx)
     return result
 
 
+def _train(config: PretrainRankConfig, ctx: DistributedContext, events: EventBus) -> str:
+    result = run_pretrain(config, ctx, events)
+    return f"pretrain finished at step {result.last_step} (preempted: {result.preempted})"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    prepare_rank()  # its Python stack on SIGUSR2, for the launcher's report of a failed group
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", type=Path, required=True)
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    args = parser.parse_args(argv)
-    config = load_config(PretrainRankConfig, args.config, args.overrides)  # the one validation in this process
-    stage = config.stage
-    timeout = timedelta(seconds=stage.trainer_config(config.checkpoints).collective_timeout_s)
-    with DistributedContext.build(stage.degrees, device=stage.device, timeout=timeout) as ctx:
-        events = EventBus()
-        if ctx.is_main_process:
-            report_progress(events, stage.steps)
-        result = run_pretrain(config, ctx, events)
-        ctx.logger.info("pretrain finished at step %d (preempted: %s)", result.last_step, result.preempted)
-    return 0
+    return training_rank_main(
+        argv,
+        __doc__,
+        lambda path, overrides: load_config(PretrainRankConfig, path, overrides),  # the one validation on a rank
+        _train,
+    )
 
 
 if __name__ == "__main__":

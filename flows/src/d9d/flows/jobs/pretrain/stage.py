@@ -46,6 +46,7 @@ STAGE_NAME = "pretrain"
 STAGE_VERSION = 1
 RECORDED_PACKAGES = ("d9d-core", "d9d-models", "d9d-parallel", "d9d-flows", "torch")
 CHECKPOINTS_DIR = "checkpoints"
+MODEL_DIR = "model"  # the trained model, self-describing: `d9d convert --mapping qwen3-d9d-to-hf` of it loads in HF
 TRACKER_DIR = "tracker"
 RUN_KEY_FILE = "run-key.json"
 
@@ -82,17 +83,9 @@ def plan_pretrain(
     config: PretrainStageConfig, output: Path, train_shards: Path, convert_checkpoint: Path
 ) -> PretrainPlan:
     init_from, init_note = init_checkpoint(config, convert_checkpoint)
-    inputs = [
-        FileFingerprint.of(path, name=f"train/{path.relative_to(train_shards)}")
-        for path in sorted(train_shards.rglob("*"))
-        if path.is_file()
-    ]
+    inputs = FileFingerprint.of_tree(train_shards, prefix="train/")
     if init_from is not None:
-        inputs += [
-            FileFingerprint.of(path, name=f"init/{path.relative_to(init_from)}")
-            for path in sorted(init_from.rglob("*"))
-            if path.is_file()
-        ]
+        inputs += FileFingerprint.of_tree(init_from, prefix="init/")
     key = StageKey(stage=STAGE_NAME, stage_version=STAGE_VERSION, config=config.key_config(), inputs=tuple(inputs))
     return PretrainPlan(
         config=config, train_shards=train_shards, output=output, init_from=init_from, init_note=init_note, key=key
@@ -106,6 +99,7 @@ def rank_config(plan: PretrainPlan, checkpoints: Path) -> PretrainRankConfig:
         train_shards=plan.train_shards,
         checkpoints=checkpoints,
         init_weights=plan.init_from,
+        model_output=checkpoints.parent / MODEL_DIR,
         tracker=tracker_config(plan.config.tracker, checkpoints.parent),
     )
 
@@ -147,7 +141,7 @@ def prepare_partial(partial: PartialStage, key: StageKey) -> str:
         previous = None
     checkpoints = partial.root / CHECKPOINTS_DIR
     if previous != key.digest:
-        for name in (CHECKPOINTS_DIR, LOSSES_FILE):
+        for name in (CHECKPOINTS_DIR, LOSSES_FILE, MODEL_DIR):
             path = partial.root / name
             if path.is_dir():
                 shutil.rmtree(path)
@@ -176,14 +170,26 @@ def run_pretrain_stage(plan: PretrainPlan, partial: PartialStage, progress: Prog
         "tracker": tracker_run(config.tracker, partial.root, plan.output),
         "ranks": config.nproc_per_node,
         "init": plan.init_note,
+        "model": MODEL_DIR,
         "resumed_from": run.resumed_from,
         "seconds": run.seconds(),
     }
 
 
 def _artifacts(output: Path, statistics: Mapping[str, Any]) -> dict[str, str]:
-    artifacts = {"checkpoints": str(output / CHECKPOINTS_DIR), "losses": str(output / LOSSES_FILE)}
-    return {**artifacts, **tracker_artifact(statistics)}
+    artifacts = {"model": model_artifact(output, statistics), "checkpoints": str(output / CHECKPOINTS_DIR)}
+    return {**artifacts, "losses": str(output / LOSSES_FILE), **tracker_artifact(statistics)}
+
+
+def model_artifact(output: Path, statistics: Mapping[str, Any]) -> str:
+    """The trained model directory; an output committed before the stage exported one (its key is the same, so it
+    stays finished) says how to get it."""
+    if "model" in statistics:
+        return str(output / str(statistics["model"]))
+    return (
+        f"none: this output was written before the pretrain stage exported its model; to get {output / MODEL_DIR}, "
+        f"delete {output} and run the stage again (its training repeats)"
+    )
 
 
 def tracker_artifact(statistics: Mapping[str, Any]) -> dict[str, str]:
@@ -200,10 +206,7 @@ REPORTER = StageReporter(STAGE_NAME, RECORDED_PACKAGES, _artifacts)
 def commit(
     directory: StageDirectory, partial: PartialStage, plan: PretrainPlan, statistics: dict[str, Any]
 ) -> StageResult:
-    checkpoints = partial.root / CHECKPOINTS_DIR
-    files = [JOB_FILE, LOSSES_FILE, LOG_FILE]
-    for folder in (checkpoints, partial.root / TRACKER_DIR):
-        files += sorted(str(path.relative_to(partial.root)) for path in folder.rglob("*") if path.is_file())
+    files = [JOB_FILE, LOSSES_FILE, LOG_FILE, *partial.files_in(CHECKPOINTS_DIR, TRACKER_DIR, MODEL_DIR)]
     return REPORTER.commit(directory, partial, plan.key, plan.output, outputs=files, statistics=statistics)
 
 
