@@ -1,10 +1,14 @@
 """What the rank programs (pretrain, finetune, evaluate) share: the packed causal-LM task, packed token-shard
-loading through d9d-core's `build_data_loader`, and the progress lines rank 0 prints for the launcher."""
+loading through d9d-core's `build_data_loader`, the model on the stage's topology (`build_rank_model`: every degree
+and its options reach d9d-models' `build_model` here, once), context-parallel batches, the clipper, and the
+progress lines rank 0 prints for the launcher."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -13,17 +17,43 @@ from d9d.core.data import DataParallelLoader, PackedSequence, PackedTokenDataset
 from d9d.core.data.loader_config import AnySampleOrderConfig, DataLoaderConfig, build_data_loader
 from d9d.core.dist import DistributedContext
 from d9d.core.dist.domains import MeshDomain
-from d9d.core.loop import EventBus, LossResult, StepFinished, TrainingStarted
+from d9d.core.loop import (
+    BuiltModel,
+    DataSource,
+    EventBus,
+    GradientClipper,
+    LoaderDataSource,
+    LossResult,
+    ModelLoader,
+    StepFinished,
+    TrainingStarted,
+)
 from d9d.flows.jobs.launch import emit_progress
+from d9d.flows.jobs.topology import RankTopology
+from d9d.models.catalogue import AnyModelConfig, build_model
+from d9d.parallel import clip_grad_norm_
+from d9d.parallel.config import dtype_from_name
+from d9d.parallel.context import ContextParallelDataSource
+from d9d.pipeline import ActivationSpec, PipelineStage, pipeline_group
+
+PackedBatch = Mapping[str, torch.Tensor]
 
 
 class PackedCausalLMTask:
-    """Packed rows (`collate_packed`): documents attend within themselves; loss summed over counted tokens."""
+    """Packed rows (`collate_packed`): documents attend within themselves; loss summed over counted tokens.
 
-    def count_tokens(self, batch: Mapping[str, torch.Tensor]) -> int:
+    Pipelined (`degrees.pp > 1`), every stage gets the micro-batch's positions and document ids (each stage's
+    attention masks documents), the first its tokens, the last its labels; stages hand over `(rows, seq, hidden)`
+    activations of `activation_dtype` (the compute dtype: the data-parallel mixed-precision `param_dtype`, else
+    float32)."""
+
+    def __init__(self, hidden_size: int = 0, activation_dtype: torch.dtype = torch.float32) -> None:
+        self.hidden_size, self.activation_dtype = hidden_size, activation_dtype
+
+    def count_tokens(self, batch: PackedBatch) -> int:
         return int((batch["labels"] != -100).sum())
 
-    def compute_loss(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> LossResult:
+    def compute_loss(self, model: nn.Module, batch: PackedBatch) -> LossResult:
         device = next(model.parameters()).device
         output = model(
             batch["input_ids"].to(device),
@@ -32,6 +62,90 @@ class PackedCausalLMTask:
             labels=batch["labels"].to(device),
         )
         return LossResult(loss_sum=output.losses.sum())
+
+    def forward_stage(
+        self, module: nn.Module, batch: PackedBatch, *, stage: PipelineStage, hidden: torch.Tensor | None
+    ) -> torch.Tensor | LossResult:
+        device = next(module.parameters()).device
+        output = module(
+            batch["input_ids"].to(device) if stage.is_first else None,
+            hidden_states=hidden,
+            position_ids=batch["position_ids"].to(device),
+            document_ids=batch["document_ids"].to(device),
+            labels=batch["labels"].to(device) if stage.is_last else None,
+        )
+        if stage.is_last:
+            return LossResult(loss_sum=output.losses.sum())
+        hidden_states: torch.Tensor = output.hidden_states
+        return hidden_states
+
+    def activation_spec(self, batch: PackedBatch, *, stage: PipelineStage) -> ActivationSpec:
+        if self.hidden_size < 1:
+            raise ValueError("PackedCausalLMTask needs hidden_size to run pipelined (degrees.pp > 1)")
+        return ActivationSpec(shape=(*batch["input_ids"].shape, self.hidden_size), dtype=self.activation_dtype)
+
+
+def packed_task(topology: RankTopology, model: AnyModelConfig) -> PackedCausalLMTask:
+    """The task for `model` on `topology` (the activation shape and dtype its pipeline stages hand over)."""
+    precision = topology.data_parallel.mixed_precision
+    dtype = dtype_from_name(precision.param_dtype) if precision is not None else None
+    return PackedCausalLMTask(hidden_size=model.parameters.hidden_size, activation_dtype=dtype or torch.float32)
+
+
+def build_rank_model(
+    topology: RankTopology,
+    model: AnyModelConfig,
+    ctx: DistributedContext,
+    *,
+    microbatches_per_step: int | None = None,
+    prepare: Callable[[nn.Module], object] | None = None,
+    loader: ModelLoader | None = None,
+) -> BuiltModel:
+    """`model` on `ctx` with every option of `topology`: tensor parallelism, context-parallel attention, expert
+    parallelism (by `ep`), data parallelism, and at `pp > 1` this rank's pipeline stages and their schedule
+    (`microbatches_per_step` micro-batches; 1 for a forward-only pass)."""
+    return build_model(
+        model,
+        ctx,
+        topology.data_parallel,
+        prepare=prepare,
+        loader=loader,
+        tensor_parallel=topology.tensor_parallel,
+        context=topology.context_parallel,
+        pipeline=topology.pipeline,
+        num_microbatches=microbatches_per_step,
+    )
+
+
+def describe_topology(topology: RankTopology, ctx: DistributedContext) -> str:
+    """The degrees a rank runs with (and the pipeline schedule at `pp > 1`), for the rank log."""
+    text = ctx.degrees.describe()
+    if ctx.degrees.pp > 1:
+        text += f", pipeline schedule {topology.pipeline.schedule.kind}"
+    return text
+
+
+def context_sharded(ctx: DistributedContext, source: DataSource[Any]) -> DataSource[Any]:
+    """`source` (this data-parallel rank's micro-batches), each cp rank taking its shard of every sequence with
+    global positions (the loss and the token count are then this shard's; the loop sums them over dp x cp)."""
+    if ctx.degrees.cp == 1:
+        return source
+    return ContextParallelDataSource(source, cp_rank=ctx.coordinate(MeshDomain.BATCH)["cp"], cp=ctx.degrees.cp)
+
+
+def packed_source(
+    ctx: DistributedContext, loader: DataParallelLoader[PackedSequence], microbatches_per_step: int
+) -> DataSource[Any]:
+    """A packed loader's micro-batches, context-sharded when `cp > 1`."""
+    return context_sharded(ctx, LoaderDataSource(loader, microbatches_per_step))
+
+
+def gradient_clipper(ctx: DistributedContext) -> GradientClipper:
+    """d9d-parallel's exact clipping; over every pipeline stage's parameters when `pp > 1`."""
+    group = pipeline_group(ctx)
+    if group is None:
+        return clip_grad_norm_
+    return functools.partial(clip_grad_norm_, across=group)
 
 
 def data_parallel_size(ctx: DistributedContext) -> int:

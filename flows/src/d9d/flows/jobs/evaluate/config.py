@@ -96,11 +96,7 @@ class EvaluateSuiteConfig(BaseModel):
     def single(self, candidate: EvaluateCandidate) -> EvaluateConfig:
         stage = self.stage
         return EvaluateConfig(
-            nproc_per_node=stage.nproc_per_node,
-            degrees=stage.degrees,
-            data_parallel=stage.data_parallel,
-            tensor_parallel=stage.tensor_parallel,
-            device=stage.device,
+            **stage.topology(),
             rows_per_step=stage.rows_per_step,
             steps=stage.steps,
             seq_len=self.seq_len,

@@ -1,6 +1,7 @@
 """The fine-tune rank program: `torchrun --nproc-per-node N -m d9d.flows.jobs.finetune.program --config ft.yaml`.
 
-Every rank runs the same wiring as pretrain (the catalogue's `build_model`, packed data, the task), with a PEFT
+Every rank runs the same wiring as pretrain (`build_rank_model` on the section's topology, packed data sharded over
+cp, the task, the clipper), with a PEFT
 method injected into the meta-device model before the parallel plan (so FSDP shards the adapters too), the base
 weights loaded from a job checkpoint or safetensors (d9d layout, or through `stage.base_mapping`, e.g. straight from
 a Hugging Face directory), and an optimizer over the trainable parameters only. The `Trainer` resumes from
@@ -21,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import assert_never
+from typing import Any, assert_never
 
 from torch import nn
 from torch.optim import Optimizer
@@ -30,25 +31,33 @@ from torch.optim.lr_scheduler import LRScheduler
 from d9d.core.config import load_config
 from d9d.core.data.loader_config import SequentialOrderConfig, ShuffledOrderConfig
 from d9d.core.dist import DistributedContext
-from d9d.core.loop import BuiltModel, EventBus, LoaderDataSource, ModelLoader, TrainResult, build_trainer, evaluate
-from d9d.core.loop.reduce import dp_group
+from d9d.core.loop import BuiltModel, DataSource, EventBus, ModelLoader, TrainResult, build_trainer, evaluate
+from d9d.core.loop.reduce import token_group
 from d9d.core.lr import build_lr_scheduler
 from d9d.core.optim import build_optimizer
 from d9d.flows.jobs.finetune.base import load_base, resolve_base
 from d9d.flows.jobs.finetune.config import FinetuneRankConfig
 from d9d.flows.jobs.launch import prepare_rank
 from d9d.flows.jobs.optimizer_kernels import register_optimizer_kernels
-from d9d.flows.jobs.rank_wiring import PackedCausalLMTask, packed_loader, report_progress
+from d9d.flows.jobs.rank_wiring import (
+    PackedCausalLMTask,
+    build_rank_model,
+    data_parallel_size,
+    describe_topology,
+    gradient_clipper,
+    packed_loader,
+    packed_source,
+    packed_task,
+    report_progress,
+)
 from d9d.metrics.trackers import build_tracker
 from d9d.models.catalogue import (
     AnyModelConfig,
     Qwen3DenseModelConfig,
     Qwen3MoeModelConfig,
-    build_model,
     write_parameters,
 )
 from d9d.models.qwen3 import mapper_to_huggingface_qwen3_dense, mapper_to_huggingface_qwen3_moe
-from d9d.parallel import clip_grad_norm_
 from d9d.peft import PeftInjectionResult, PeftMethod, build_peft_method, inject_peft_and_freeze, merge_peft
 from d9d.peft.export import export_hf_peft_adapter
 from d9d.peft.loading import save_trainable_state
@@ -71,8 +80,11 @@ class FinetuneResult:
     total_parameters: int
 
 
-def validation_loss(config: FinetuneRankConfig, ctx: DistributedContext, model: nn.Module) -> float | None:
-    """Token-weighted loss over the first `validation_steps` batches of the validation shards (None: none set)."""
+def validation_loss(
+    config: FinetuneRankConfig, ctx: DistributedContext, built: BuiltModel, task: PackedCausalLMTask
+) -> float | None:
+    """Token-weighted loss over the first `validation_steps` batches of the validation shards (None: none set),
+    one micro-batch per step (pipelined: the schedule's forward-only program)."""
     if config.validation_shards is None:
         return None
     loader = packed_loader(
@@ -83,9 +95,11 @@ def validation_loss(config: FinetuneRankConfig, ctx: DistributedContext, model: 
         order=SequentialOrderConfig(),
         epochs=None,
     )
-    data = LoaderDataSource(loader, 1)
+    data = packed_source(ctx, loader, 1)
     steps = config.stage.validation_steps
-    return evaluate(model, PackedCausalLMTask(), data, steps=steps, group=dp_group(ctx), device=ctx.device).loss
+    return evaluate(
+        built.model, task, data, steps=steps, group=token_group(ctx), device=ctx.device, schedule=built.schedule
+    ).loss
 
 
 def to_hf_mapper(model: AnyModelConfig) -> ModelStateMapper:
@@ -132,17 +146,19 @@ def run_finetune(config: FinetuneRankConfig, ctx: DistributedContext, events: Ev
     def load(model: nn.Module) -> None:
         load_base(base, model, injections[-1], stage.base_mapping)
 
-    def model_provider(ctx: DistributedContext, loader: ModelLoader | None) -> BuiltModel:
-        return build_model(
-            config.model,
-            ctx,
-            stage.data_parallel,
-            prepare=prepare,
-            loader=loader,
-            tensor_parallel=stage.tensor_parallel,
-        )
+    trainer_config = stage.trainer_config(config.checkpoints, trainable_only=True)  # the base is loaded first
+    built: list[BuiltModel] = []
 
-    def data_provider(ctx: DistributedContext, microbatches_per_step: int) -> LoaderDataSource:
+    def model_provider(ctx: DistributedContext, loader: ModelLoader | None) -> BuiltModel:
+        microbatches = trainer_config.microbatches_per_step(data_parallel_size(ctx))
+        built.append(
+            build_rank_model(
+                stage, config.model, ctx, microbatches_per_step=microbatches, prepare=prepare, loader=loader
+            )
+        )
+        return built[-1]
+
+    def data_provider(ctx: DistributedContext, microbatches_per_step: int) -> DataSource[Any]:
         loader = packed_loader(
             ctx,
             config.train_shards,
@@ -151,7 +167,7 @@ def run_finetune(config: FinetuneRankConfig, ctx: DistributedContext, events: Ev
             order=ShuffledOrderConfig(seed=stage.shuffle_seed),
             epochs=None,
         )
-        return LoaderDataSource(loader, microbatches_per_step)
+        return packed_source(ctx, loader, microbatches_per_step)
 
     def optimizer_provider(model: nn.Module) -> Optimizer:
         register_optimizer_kernels(stage.optimizer)
@@ -161,27 +177,28 @@ def run_finetune(config: FinetuneRankConfig, ctx: DistributedContext, events: Ev
     def lr_provider(optimizer: Optimizer, total_steps: int) -> LRScheduler:
         return build_lr_scheduler(stage.lr_schedule, optimizer, total_steps)
 
+    task = packed_task(stage, config.model)
     tracker = build_tracker(
         config.tracker, enabled=ctx.is_main_process, hparams=config.model_dump(mode="json"), name="finetune"
     )
     trainer = build_trainer(
         ctx,
-        stage.trainer_config(config.checkpoints, trainable_only=True),  # the base is loaded; only adapters are new
+        trainer_config,
         model_provider=model_provider,
-        task=PackedCausalLMTask(),
+        task=task,
         data_provider=data_provider,
         optimizer_provider=optimizer_provider,
         lr_scheduler_provider=lr_provider,
         loader=load,
-        clipper=clip_grad_norm_,
+        clipper=gradient_clipper(ctx),
         tracker=tracker,
         events=events,
     )
     model = trainer.parts.model
-    before = validation_loss(config, ctx, model)
+    before = validation_loss(config, ctx, built[-1], task)
     result = trainer.train()
     tracker.close()
-    after = validation_loss(config, ctx, model)
+    after = validation_loss(config, ctx, built[-1], task)
     if not result.preempted:
         export_outputs(config, ctx, model, method, injections[-1])
     finetune = FinetuneResult(
@@ -212,6 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         events = EventBus()
         if ctx.is_main_process:  # progress lines for the launcher (the fine-tune stage's progress and losses)
             report_progress(events, stage.steps)
+        ctx.logger.info("finetune on %s", describe_topology(stage, ctx))
         result = run_finetune(config, ctx, events)
         ctx.logger.info(
             "finetune finished at step %d: validation loss %s -> %s",

@@ -1,9 +1,10 @@
 """The pretrain rank program: `torchrun --nproc-per-node N -m d9d.flows.jobs.pretrain.program --config job.yaml`.
 
-Every rank runs the same wiring: distributed context, the model from d9d-models' catalogue (meta -> parallel plan
--> materialise -> optional `init_weights` load through d9d-states), packed token-shard data through
-`build_data_loader`, optimizer and LR schedule from the section, and the d9d-core `Trainer` (which resumes from the
-newest complete checkpoint in `checkpoints`). No Prefect here.
+Every rank runs the same wiring: distributed context, the model from d9d-models' catalogue on the section's
+topology (`build_rank_model`: meta -> tp/cp/ep/data-parallel plan -> materialise -> optional `init_weights` load
+through d9d-states; this rank's pipeline stages and schedule at `pp > 1`), packed token-shard data through
+`build_data_loader` (each cp rank its shard of every row), optimizer and LR schedule from the section, and the
+d9d-core `Trainer` (which resumes from the newest complete checkpoint in `checkpoints`). No Prefect here.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import argparse
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 from torch import nn
 from torch.optim import Optimizer
@@ -20,27 +22,37 @@ from torch.optim.lr_scheduler import LRScheduler
 from d9d.core.config import load_config
 from d9d.core.data.loader_config import ShuffledOrderConfig
 from d9d.core.dist import DistributedContext
-from d9d.core.loop import BuiltModel, EventBus, LoaderDataSource, ModelLoader, TrainResult, build_trainer
+from d9d.core.loop import BuiltModel, DataSource, EventBus, ModelLoader, TrainResult, build_trainer
 from d9d.core.lr import build_lr_scheduler
 from d9d.core.optim import build_optimizer
 from d9d.flows.jobs.launch import prepare_rank
 from d9d.flows.jobs.optimizer_kernels import register_optimizer_kernels
 from d9d.flows.jobs.pretrain.config import PretrainRankConfig
-from d9d.flows.jobs.rank_wiring import PackedCausalLMTask, packed_loader, report_progress
+from d9d.flows.jobs.rank_wiring import (
+    build_rank_model,
+    data_parallel_size,
+    describe_topology,
+    gradient_clipper,
+    packed_loader,
+    packed_source,
+    packed_task,
+    report_progress,
+)
 from d9d.flows.jobs.weights import load_converted_weights
 from d9d.metrics.trackers import build_tracker
-from d9d.models.catalogue import build_model
-from d9d.parallel import clip_grad_norm_
 
 
 def run_pretrain(config: PretrainRankConfig, ctx: DistributedContext, events: EventBus | None = None) -> TrainResult:
     """Train on this rank (every rank of the job calls it with the same config); `events` sees the loop's events."""
     stage = config.stage
 
-    def model_provider(ctx: DistributedContext, loader: ModelLoader | None) -> BuiltModel:
-        return build_model(stage.model, ctx, stage.data_parallel, loader=loader, tensor_parallel=stage.tensor_parallel)
+    trainer_config = stage.trainer_config(config.checkpoints)
 
-    def data_provider(ctx: DistributedContext, microbatches_per_step: int) -> LoaderDataSource:
+    def model_provider(ctx: DistributedContext, loader: ModelLoader | None) -> BuiltModel:
+        microbatches = trainer_config.microbatches_per_step(data_parallel_size(ctx))
+        return build_rank_model(stage, stage.model, ctx, microbatches_per_step=microbatches, loader=loader)
+
+    def data_provider(ctx: DistributedContext, microbatches_per_step: int) -> DataSource[Any]:
         loader = packed_loader(
             ctx,
             config.train_shards,
@@ -49,7 +61,7 @@ def run_pretrain(config: PretrainRankConfig, ctx: DistributedContext, events: Ev
             order=ShuffledOrderConfig(seed=stage.shuffle_seed),
             epochs=None,
         )
-        return LoaderDataSource(loader, microbatches_per_step)
+        return packed_source(ctx, loader, microbatches_per_step)
 
     def optimizer_provider(model: nn.Module) -> Optimizer:
         register_optimizer_kernels(stage.optimizer)
@@ -72,14 +84,14 @@ def run_pretrain(config: PretrainRankConfig, ctx: DistributedContext, events: Ev
     )
     trainer = build_trainer(
         ctx,
-        stage.trainer_config(config.checkpoints),
+        trainer_config,
         model_provider=model_provider,
-        task=PackedCausalLMTask(),
+        task=packed_task(stage, stage.model),
         data_provider=data_provider,
         optimizer_provider=optimizer_provider,
         lr_scheduler_provider=lr_provider,
         loader=loader,
-        clipper=clip_grad_norm_,
+        clipper=gradient_clipper(ctx),
         tracker=tracker,
         events=events,
     )
@@ -101,6 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         events = EventBus()
         if ctx.is_main_process:
             report_progress(events, stage.steps)
+        ctx.logger.info("pretrain on %s", describe_topology(stage, ctx))
         result = run_pretrain(config, ctx, events)
         ctx.logger.info("pretrain finished at step %d (preempted: %s)", result.last_step, result.preempted)
     return 0
