@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from d9d.core.dist import MeshDegrees
 from d9d.parallel import AnyDataParallelConfig, FsdpConfig
@@ -45,6 +45,15 @@ class RankTopology(BaseModel):
         "global_batch_rows / (data-parallel size x microbatch_rows)",
     )
     device: Device = "auto"
+
+    @field_validator("degrees", mode="before")
+    @classmethod
+    def _data_parallel_fills(cls, value: object) -> object:
+        """In a stage section `dp_shard` fills what the other degrees leave unless set (`--set pretrain.degrees.tp=2`
+        on 4 ranks is tp=2 x dp_shard=2), as it does when `degrees` is not set at all."""
+        if isinstance(value, dict) and "dp_shard" not in value:
+            return {**value, "dp_shard": -1}
+        return value
 
     def resolved_degrees(self) -> MeshDegrees:
         """`degrees` on `nproc_per_node` ranks (`dp_shard=-1` filled in); ValueError naming them when they do not

@@ -227,6 +227,7 @@ def preflight(config: JobConfig) -> None:
             f"pretrain.seq_len={section.seq_len} exceeds pretrain.model.parameters.max_position_embeddings="
             f"{parameters.max_position_embeddings}; lower seq_len or raise max_position_embeddings"
         )
+    section.check_topology("pretrain", section.model, seq_len=section.seq_len)
     section.check_batch("pretrain")
     section.check_schedule("pretrain")
 
