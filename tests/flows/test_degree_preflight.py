@@ -121,6 +121,11 @@ def test_finetune_degrees_are_checked_against_the_pretrained_model(capsys, tmp_p
     assert "finetune.degrees.tp=4: tp=4 does not fit the model: num_key_value_heads=2" in err
 
 
+def test_pipelined_finetune_is_refused(capsys, tmp_path):
+    err = _error(capsys, tmp_path, "pipeline", "finetune.degrees.pp=2")
+    assert "finetune.degrees.pp=2 is not supported yet (the adapter and merged exports do not gather" in err
+
+
 def test_finetune_global_batch_over_the_data_parallel_ranks_of_tp(capsys, tmp_path):
     err = _error(capsys, tmp_path, "pipeline", "finetune.nproc_per_node=4", "finetune.degrees.tp=2",
                  "finetune.global_batch_rows=6")  # fmt: skip

@@ -6,6 +6,7 @@ progress lines rank 0 prints for the launcher."""
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -123,6 +124,13 @@ def describe_topology(topology: RankTopology, ctx: DistributedContext) -> str:
     if ctx.degrees.pp > 1:
         text += f", pipeline schedule {topology.pipeline.schedule.kind}"
     return text
+
+
+def log_topology(program: str, topology: RankTopology, ctx: DistributedContext) -> None:
+    """Rank 0 states the degrees the job runs with in the launch log (`pretrain on pp=1, ..., tp=2, ep=1`)."""
+    if ctx.is_main_process:
+        sys.stdout.write(f"{program} on {describe_topology(topology, ctx)}\n")
+        sys.stdout.flush()
 
 
 def context_sharded(ctx: DistributedContext, source: DataSource[Any]) -> DataSource[Any]:

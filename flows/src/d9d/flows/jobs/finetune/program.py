@@ -43,8 +43,8 @@ from d9d.flows.jobs.rank_wiring import (
     PackedCausalLMTask,
     build_rank_model,
     data_parallel_size,
-    describe_topology,
     gradient_clipper,
+    log_topology,
     packed_loader,
     packed_source,
     packed_task,
@@ -229,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         events = EventBus()
         if ctx.is_main_process:  # progress lines for the launcher (the fine-tune stage's progress and losses)
             report_progress(events, stage.steps)
-        ctx.logger.info("finetune on %s", describe_topology(stage, ctx))
+        log_topology("finetune", stage, ctx)
         result = run_finetune(config, ctx, events)
         ctx.logger.info(
             "finetune finished at step %d: validation loss %s -> %s",

@@ -31,8 +31,8 @@ from d9d.flows.jobs.pretrain.config import PretrainRankConfig
 from d9d.flows.jobs.rank_wiring import (
     build_rank_model,
     data_parallel_size,
-    describe_topology,
     gradient_clipper,
+    log_topology,
     packed_loader,
     packed_source,
     packed_task,
@@ -113,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         events = EventBus()
         if ctx.is_main_process:
             report_progress(events, stage.steps)
-        ctx.logger.info("pretrain on %s", describe_topology(stage, ctx))
+        log_topology("pretrain", stage, ctx)
         result = run_pretrain(config, ctx, events)
         ctx.logger.info("pretrain finished at step %d (preempted: %s)", result.last_step, result.preempted)
     return 0
