@@ -1,10 +1,10 @@
 """The fine-tune rank program: `torchrun --nproc-per-node N -m d9d.flows.jobs.finetune.program --config ft.yaml`.
 
 Every rank runs the same wiring as pretrain (`build_rank_model` on the section's topology, packed data sharded over
-cp, the task, the clipper), with a PEFT
-method injected into the meta-device model before the parallel plan (so FSDP shards the adapters too), the base
-weights loaded from a job checkpoint or safetensors (d9d layout, or through `stage.base_mapping`, e.g. straight from
-a Hugging Face directory), and an optimizer over the trainable parameters only. The `Trainer` resumes from
+cp, the task, the clipper), with a PEFT method injected into the meta-device model before the parallel plan (so
+FSDP and the tensor-parallel plan shard the adapters too), the base weights loaded from a job checkpoint or
+safetensors (d9d layout, or through `stage.base_mapping`, e.g. straight from a Hugging Face directory), and an
+optimizer over the trainable parameters only. The `Trainer` resumes from
 `checkpoints` (adapter-only job checkpoints; the base is loaded first). At the end it writes into `output`:
 
 - `adapter/`: the trained parameters alone (d9d-layout safetensors), with `peft.json` (the method) beside it;
