@@ -48,7 +48,7 @@ class PackedCausalLMTask:
     activations of `activation_dtype` (the compute dtype: the data-parallel mixed-precision `param_dtype`, else
     float32)."""
 
-    def __init__(self, hidden_size: int = 0, activation_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, hidden_size: int, activation_dtype: torch.dtype = torch.float32) -> None:
         self.hidden_size, self.activation_dtype = hidden_size, activation_dtype
 
     def count_tokens(self, batch: PackedBatch) -> int:
@@ -81,8 +81,6 @@ class PackedCausalLMTask:
         return hidden_states
 
     def activation_spec(self, batch: PackedBatch, *, stage: PipelineStage) -> ActivationSpec:
-        if self.hidden_size < 1:
-            raise ValueError("PackedCausalLMTask needs hidden_size to run pipelined (degrees.pp > 1)")
         return ActivationSpec(shape=(*batch["input_ids"].shape, self.hidden_size), dtype=self.activation_dtype)
 
 
