@@ -70,7 +70,7 @@ def run_evaluate(config: EvaluateConfig, ctx: DistributedContext) -> EvaluationR
     if checkpoint is not None:
         load_model_weights(checkpoint, built.model)
     elif config.weights is not None:
-        load_converted_weights(config.weights, built.model)
+        load_converted_weights(config.weights, built.model, pipeline_stages=ctx.degrees.pp > 1)
     dp_size = data_parallel_size(ctx)
     if config.rows_per_step % dp_size:
         raise ValueError(f"rows_per_step={config.rows_per_step} must be a multiple of the data-parallel size {dp_size}")

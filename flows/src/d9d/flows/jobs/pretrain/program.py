@@ -75,7 +75,7 @@ def run_pretrain(config: PretrainRankConfig, ctx: DistributedContext, events: Ev
     if init_weights is not None:
 
         def load(model: nn.Module) -> None:
-            load_converted_weights(init_weights, model)
+            load_converted_weights(init_weights, model, pipeline_stages=ctx.degrees.pp > 1)
 
         loader = load
 
