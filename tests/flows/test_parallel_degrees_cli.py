@@ -70,6 +70,11 @@ def dense_baseline(workdir):
             ["pretrain.degrees.pp=2", "pretrain.pipeline.schedule.kind=1f1b"],
             "pp=2, dp_replicate=1, dp_shard=2, cp=1, tp=1, ep=1, pipeline schedule 1f1b",
         ),
+        (
+            "pp2tp2",
+            ["pretrain.degrees.pp=2", "pretrain.degrees.tp=2"],
+            "pp=2, dp_replicate=1, dp_shard=1, cp=1, tp=2, ep=1, pipeline schedule 1f1b",
+        ),
     ],
 )
 def test_pretrain_with_a_degree_matches_data_parallel_only(workdir, dense_baseline, name, overrides, degrees):

@@ -19,9 +19,7 @@ from d9d.pipeline import plan_pipeline
 
 # Degree pairs the libraries refuse or have no parity test for yet, and why (docs/design/0015).
 UNSUPPORTED: dict[tuple[str, str], str] = {
-    ("pp", "tp"): "stage boundaries would carry sequence-sharded DTensors the pipeline does not send",
     ("pp", "cp"): "no parity test covers pipelined context parallelism yet",
-    ("pp", "ep"): "no parity test covers pipelined expert parallelism yet",
     ("ep", "tp"): "experts are not tensor-parallel",
 }
 
@@ -62,7 +60,8 @@ def _resolve(section: str, topology: RankTopology) -> MeshDegrees:
         return topology.resolved_degrees()
     except ValueError as error:
         raise PreflightError(
-            f"{section}.degrees do not fit {section}.nproc_per_node={topology.nproc_per_node} ranks: {error}"
+            f"{section}.degrees do not fit {topology.world_size()} ranks ({section}.nproc_per_node="
+            f"{topology.nproc_per_node} on {topology.node_count()} node(s)): {error}"
         ) from None
 
 

@@ -44,12 +44,14 @@ class PackedCausalLMTask:
     """Packed rows (`collate_packed`): documents attend within themselves; loss summed over counted tokens.
 
     Pipelined (`degrees.pp > 1`), every stage gets the micro-batch's positions and document ids (each stage's
-    attention masks documents), the first its tokens, the last its labels; stages hand over `(rows, seq, hidden)`
-    activations of `activation_dtype` (the compute dtype: the data-parallel mixed-precision `param_dtype`, else
-    float32)."""
+    attention masks documents), the first its tokens, the last its labels; stages hand over `(rows, seq / tp,
+    hidden)` activations (under tensor parallelism each rank's sequence shard, design note 0016) of `activation_dtype`
+    (the compute dtype: the data-parallel mixed-precision `param_dtype`, else float32)."""
 
-    def __init__(self, hidden_size: int, activation_dtype: torch.dtype = torch.float32) -> None:
-        self.hidden_size, self.activation_dtype = hidden_size, activation_dtype
+    def __init__(
+        self, hidden_size: int, activation_dtype: torch.dtype = torch.float32, *, sequence_shards: int = 1
+    ) -> None:
+        self.hidden_size, self.activation_dtype, self.sequence_shards = hidden_size, activation_dtype, sequence_shards
 
     def count_tokens(self, batch: PackedBatch) -> int:
         return int((batch["labels"] != -100).sum())
@@ -81,14 +83,20 @@ class PackedCausalLMTask:
         return hidden_states
 
     def activation_spec(self, batch: PackedBatch, *, stage: PipelineStage) -> ActivationSpec:
-        return ActivationSpec(shape=(*batch["input_ids"].shape, self.hidden_size), dtype=self.activation_dtype)
+        rows, seq = batch["input_ids"].shape
+        shape = (rows, seq // self.sequence_shards, self.hidden_size)
+        return ActivationSpec(shape=shape, dtype=self.activation_dtype)
 
 
 def packed_task(topology: RankTopology, model: AnyModelConfig) -> PackedCausalLMTask:
     """The task for `model` on `topology` (the activation shape and dtype its pipeline stages hand over)."""
     precision = topology.data_parallel.mixed_precision
     dtype = dtype_from_name(precision.param_dtype) if precision is not None else None
-    return PackedCausalLMTask(hidden_size=model.parameters.hidden_size, activation_dtype=dtype or torch.float32)
+    return PackedCausalLMTask(
+        hidden_size=model.parameters.hidden_size,
+        activation_dtype=dtype or torch.float32,
+        sequence_shards=topology.degrees.tp,
+    )
 
 
 def build_rank_model(

@@ -55,14 +55,21 @@ class RankTopology(BaseModel):
             return {**value, "dp_shard": -1}
         return value
 
+    def node_count(self) -> int:
+        """Nodes the ranks run on: 1 here; a section with a cluster launcher says how many it asks for."""
+        return 1
+
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.node_count()
+
     def resolved_degrees(self) -> MeshDegrees:
-        """`degrees` on `nproc_per_node` ranks (`dp_shard=-1` filled in); ValueError naming them when they do not
-        fit."""
-        return self.degrees.resolve(self.nproc_per_node)
+        """`degrees` on `nproc_per_node x nodes` ranks (`dp_shard=-1` filled in); ValueError naming them when they
+        do not fit."""
+        return self.degrees.resolve(self.world_size())
 
     def data_parallel_size(self) -> int | None:
         """Ranks holding different rows: `dp_replicate x dp_shard` of the resolved degrees (None: the degrees do not
-        fit `nproc_per_node`; preflight reports that)."""
+        fit the ranks; preflight reports that)."""
         try:
             return self.resolved_degrees().dp
         except ValueError:

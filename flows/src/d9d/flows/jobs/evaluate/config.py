@@ -8,6 +8,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from d9d.flows.jobs.launchers import AnyLauncherConfig, LocalLauncherConfig
+from d9d.flows.jobs.launchers.config import launcher_nodes
 from d9d.flows.jobs.topology import RankTopology
 from d9d.metrics.trackers import AnyTrackerConfig, NoTrackerConfig
 from d9d.models.catalogue import AnyModelConfig
@@ -30,6 +32,12 @@ class EvaluateStageConfig(RankTopology):
     output: Path | None = Field(default=None, description="default: <workdir>/evaluation")
     retries: int = Field(default=0, ge=0)
     retry_delay_seconds: float = Field(default=10.0, ge=0)
+    launcher: AnyLauncherConfig = Field(
+        default_factory=LocalLauncherConfig, description="where the ranks run: local (torchrun here), slurm, kubernetes"
+    )
+
+    def node_count(self) -> int:
+        return launcher_nodes(self.launcher)
 
     def key_config(self, seq_len: int) -> dict[str, Any]:
         return {

@@ -37,7 +37,8 @@ from d9d.flows.jobs.contract import (
 from d9d.flows.jobs.degree_checks import check_topology
 from d9d.flows.jobs.evaluate.config import EvaluateCandidate, EvaluateStageConfig, EvaluateSuiteConfig
 from d9d.flows.jobs.evaluate.plot import PlotUnavailable, plot_loss_curve
-from d9d.flows.jobs.launch import LaunchSpec, launch
+from d9d.flows.jobs.launch import LaunchSpec
+from d9d.flows.jobs.launchers import build_launcher
 from d9d.flows.jobs.pretrain.stage import CHECKPOINTS_DIR, tracker_location
 from d9d.flows.jobs.progress import Progress
 from d9d.flows.jobs.rank_failure import rank_errors
@@ -206,7 +207,7 @@ def run_evaluate_stage(plan: EvaluatePlan, partial: PartialStage, progress: Prog
     failed = True
     try:
         with rank_errors(log_file, lambda cause: f"evaluate: a rank failed:\n{cause}"):
-            launch(
+            build_launcher(plan.config.launcher, plan.config, name=STAGE_NAME).run(
                 LaunchSpec(
                     module="d9d.flows.jobs.evaluate.program",
                     args=["--suite", "--config", str(suite_file)],
@@ -215,6 +216,7 @@ def run_evaluate_stage(plan: EvaluatePlan, partial: PartialStage, progress: Prog
                     grace_seconds=plan.config.grace_seconds,
                 ),
                 on_progress=evaluated,
+                note=progress.note,
             )
         failed = False
     finally:
