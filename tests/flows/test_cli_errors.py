@@ -100,7 +100,7 @@ def test_pretrain_global_batch_that_does_not_split_over_the_ranks(capsys):
 
 def test_evaluate_rows_per_step_not_a_multiple_of_the_ranks(capsys):
     err = _error(capsys, ["run", "evaluate", "--preset", "micro", "--set", "evaluate.rows_per_step=3"])
-    assert "evaluate.rows_per_step=3 is not a multiple of evaluate.nproc_per_node=2" in err
+    assert "evaluate.rows_per_step=3 is not a multiple of the data-parallel size 2 (evaluate.nproc_per_node=2" in err
 
 
 def test_a_stage_alone_needs_the_outputs_it_reads(capsys, tmp_path):

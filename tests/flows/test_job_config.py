@@ -19,7 +19,7 @@ def test_every_preset_validates(name, tmp_path):
 
 
 def test_unknown_preset_lists_the_presets():
-    with pytest.raises(JobConfigError, match=r"unknown preset 'huge'; presets are: micro, tiny"):
+    with pytest.raises(JobConfigError, match=r"unknown preset 'huge'; presets are: micro, micro-moe, tiny"):
         load_job_config(preset_name="huge")
 
 

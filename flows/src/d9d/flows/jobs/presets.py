@@ -122,6 +122,19 @@ _PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+def _micro_moe() -> tuple[str, dict[str, Any]]:
+    """`micro` with a tiny Qwen3-MoE (4 experts, top-2): the smoke test of expert parallelism (`degrees.ep`)."""
+    job = copy.deepcopy(_PRESETS["micro"][1])
+    job["workdir"] = "runs/micro-moe"
+    dense = job["pretrain"]["model"]["parameters"]
+    moe = {**dense, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": dense["hidden_size"]}
+    job["pretrain"]["model"] = {"kind": "qwen3_moe", "parameters": moe}
+    return ("`micro` with a tiny Qwen3-MoE (4 experts, top-2), e.g. for --set pretrain.degrees.ep=2", job)
+
+
+_PRESETS["micro-moe"] = _micro_moe()
+
+
 def preset_names() -> list[str]:
     return sorted(_PRESETS)
 

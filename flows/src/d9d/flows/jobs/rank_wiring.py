@@ -1,10 +1,14 @@
 """What the rank programs (pretrain, finetune, evaluate) share: the packed causal-LM task, packed token-shard
-loading through d9d-core's `build_data_loader`, the progress lines rank 0 prints for the launcher, and for the two
-training programs their command line and the Trainer around their model."""
+loading through d9d-core's `build_data_loader`, the model on the stage's topology (`build_rank_model`: every degree
+and its options reach d9d-models' `build_model` here, once), context-parallel batches, the clipper, the
+progress lines rank 0 prints for the launcher, and for the two training programs their command line and the
+Trainer around their model."""
 
 from __future__ import annotations
 
 import argparse
+import functools
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -25,7 +29,10 @@ from d9d.core.data.loader_config import (
 from d9d.core.dist import DistributedContext
 from d9d.core.dist.domains import MeshDomain
 from d9d.core.loop import (
+    BuiltModel,
+    DataSource,
     EventBus,
+    GradientClipper,
     LoaderDataSource,
     LossResult,
     ModelLoader,
@@ -40,17 +47,34 @@ from d9d.core.lr import build_lr_scheduler
 from d9d.core.optim import build_optimizer
 from d9d.flows.jobs.launch import emit_progress, prepare_rank
 from d9d.flows.jobs.optimizer_kernels import register_optimizer_kernels
+from d9d.flows.jobs.topology import RankTopology
 from d9d.flows.jobs.torchrun_stage import TrainingStageConfig
+from d9d.models.catalogue import AnyModelConfig, build_model
 from d9d.parallel import clip_grad_norm_
+from d9d.parallel.config import dtype_from_name
+from d9d.parallel.context import ContextParallelDataSource
+from d9d.pipeline import ActivationSpec, PipelineStage, pipeline_group
+
+PackedBatch = Mapping[str, torch.Tensor]
 
 
 class PackedCausalLMTask:
-    """Packed rows (`collate_packed`): documents attend within themselves; loss summed over counted tokens."""
+    """Packed rows (`collate_packed`): documents attend within themselves; loss summed over counted tokens.
 
-    def count_tokens(self, batch: Mapping[str, torch.Tensor]) -> int:
+    Pipelined (`degrees.pp > 1`), every stage gets the micro-batch's positions and document ids (each stage's
+    attention masks documents), the first its tokens, the last its labels; stages hand over `(rows, seq / tp,
+    hidden)` activations (under tensor parallelism each rank's sequence shard, design note 0016) of `activation_dtype`
+    (the compute dtype: the data-parallel mixed-precision `param_dtype`, else float32)."""
+
+    def __init__(
+        self, hidden_size: int, activation_dtype: torch.dtype = torch.float32, *, sequence_shards: int = 1
+    ) -> None:
+        self.hidden_size, self.activation_dtype, self.sequence_shards = hidden_size, activation_dtype, sequence_shards
+
+    def count_tokens(self, batch: PackedBatch) -> int:
         return int((batch["labels"] != -100).sum())
 
-    def compute_loss(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> LossResult:
+    def compute_loss(self, model: nn.Module, batch: PackedBatch) -> LossResult:
         device = next(model.parameters()).device
         output = model(
             batch["input_ids"].to(device),
@@ -59,6 +83,101 @@ class PackedCausalLMTask:
             labels=batch["labels"].to(device),
         )
         return LossResult(loss_sum=output.losses.sum())
+
+    def forward_stage(
+        self, module: nn.Module, batch: PackedBatch, *, stage: PipelineStage, hidden: torch.Tensor | None
+    ) -> torch.Tensor | LossResult:
+        device = next(module.parameters()).device
+        output = module(
+            batch["input_ids"].to(device) if stage.is_first else None,
+            hidden_states=hidden,
+            position_ids=batch["position_ids"].to(device),
+            document_ids=batch["document_ids"].to(device),
+            labels=batch["labels"].to(device) if stage.is_last else None,
+        )
+        if stage.is_last:
+            return LossResult(loss_sum=output.losses.sum())
+        hidden_states: torch.Tensor = output.hidden_states
+        return hidden_states
+
+    def activation_spec(self, batch: PackedBatch, *, stage: PipelineStage) -> ActivationSpec:
+        rows, seq = batch["input_ids"].shape
+        shape = (rows, seq // self.sequence_shards, self.hidden_size)
+        return ActivationSpec(shape=shape, dtype=self.activation_dtype)
+
+
+def packed_task(topology: RankTopology, model: AnyModelConfig) -> PackedCausalLMTask:
+    """The task for `model` on `topology` (the activation shape and dtype its pipeline stages hand over)."""
+    precision = topology.data_parallel.mixed_precision
+    dtype = dtype_from_name(precision.param_dtype) if precision is not None else None
+    return PackedCausalLMTask(
+        hidden_size=model.parameters.hidden_size,
+        activation_dtype=dtype or torch.float32,
+        sequence_shards=topology.degrees.tp,
+    )
+
+
+def build_rank_model(
+    topology: RankTopology,
+    model: AnyModelConfig,
+    ctx: DistributedContext,
+    *,
+    microbatches_per_step: int | None = None,
+    prepare: Callable[[nn.Module], object] | None = None,
+    loader: ModelLoader | None = None,
+) -> BuiltModel:
+    """`model` on `ctx` with every option of `topology`: tensor parallelism, context-parallel attention, expert
+    parallelism (by `ep`), data parallelism, and at `pp > 1` this rank's pipeline stages and their schedule
+    (`microbatches_per_step` micro-batches; 1 for a forward-only pass)."""
+    return build_model(
+        model,
+        ctx,
+        topology.data_parallel,
+        prepare=prepare,
+        loader=loader,
+        tensor_parallel=topology.tensor_parallel,
+        context=topology.context_parallel,
+        pipeline=topology.pipeline,
+        num_microbatches=microbatches_per_step,
+    )
+
+
+def describe_topology(topology: RankTopology, ctx: DistributedContext) -> str:
+    """The degrees a rank runs with (and the pipeline schedule at `pp > 1`), for the rank log."""
+    text = ctx.degrees.describe()
+    if ctx.degrees.pp > 1:
+        text += f", pipeline schedule {topology.pipeline.schedule.kind}"
+    return text
+
+
+def log_topology(program: str, topology: RankTopology, ctx: DistributedContext) -> None:
+    """Rank 0 states the degrees the job runs with in the launch log (`pretrain on pp=1, ..., tp=2, ep=1`)."""
+    if ctx.is_main_process:
+        sys.stdout.write(f"{program} on {describe_topology(topology, ctx)}\n")
+        sys.stdout.flush()
+
+
+def context_sharded(ctx: DistributedContext, source: DataSource[Any]) -> DataSource[Any]:
+    """`source` (this data-parallel rank's micro-batches), each cp rank taking its shard of every sequence with
+    global positions (the loss and the token count are then this shard's; the loop sums them over dp x cp)."""
+    if ctx.degrees.cp == 1:
+        return source
+    return ContextParallelDataSource(source, cp_rank=ctx.coordinate(MeshDomain.BATCH)["cp"], cp=ctx.degrees.cp)
+
+
+def packed_source(
+    ctx: DistributedContext, loader: DataParallelLoader[PackedSequence], microbatches_per_step: int
+) -> DataSource[Any]:
+    """A packed loader's micro-batches, context-sharded when `cp > 1`."""
+    return context_sharded(ctx, LoaderDataSource(loader, microbatches_per_step))
+
+
+def gradient_clipper(ctx: DistributedContext) -> GradientClipper:
+    """d9d-parallel's exact clipping; over every pipeline stage's parameters when `pp > 1`."""
+    group = pipeline_group(ctx)
+    if group is None:
+        return clip_grad_norm_
+    return functools.partial(clip_grad_norm_, across=group)
 
 
 def data_parallel_size(ctx: DistributedContext) -> int:
@@ -109,6 +228,7 @@ def build_stage_trainer(
     train_shards: Path,
     seq_len: int,
     model_provider: ModelProvider,
+    task: PackedCausalLMTask,
     loader: ModelLoader | None,
     tracker: Tracker,
     events: EventBus | None,
@@ -119,11 +239,11 @@ def build_stage_trainer(
     schedule, exact grad-norm clipping, job checkpoints in `checkpoints` (`trainable_only`: the trained parameters
     alone, the base being loaded anew)."""
 
-    def data_provider(ctx: DistributedContext, microbatches_per_step: int) -> LoaderDataSource:
+    def data_provider(ctx: DistributedContext, microbatches_per_step: int) -> DataSource[Any]:
         order = ShuffledOrderConfig(seed=stage.shuffle_seed)
         rows = stage.global_batch_rows
         loader = packed_loader(ctx, train_shards, seq_len=seq_len, global_batch_rows=rows, order=order, epochs=None)
-        return LoaderDataSource(loader, microbatches_per_step)
+        return packed_source(ctx, loader, microbatches_per_step)
 
     def optimizer_provider(model: nn.Module) -> Optimizer:
         register_optimizer_kernels(stage.optimizer)
@@ -136,12 +256,12 @@ def build_stage_trainer(
         ctx,
         stage.trainer_config(checkpoints, trainable_only=trainable_only),
         model_provider=model_provider,
-        task=PackedCausalLMTask(),
+        task=task,
         data_provider=data_provider,
         optimizer_provider=optimizer_provider,
         lr_scheduler_provider=lr_provider,
         loader=loader,
-        clipper=clip_grad_norm_,
+        clipper=gradient_clipper(ctx),
         tracker=tracker,
         events=events,
     )
@@ -162,6 +282,7 @@ RankConfig = TypeVar("RankConfig", bound=TrainingRankConfig)
 
 def training_rank_main(
     argv: Sequence[str] | None,
+    name: str,
     description: str,
     load: Callable[[Path, Sequence[str]], RankConfig],
     train: Callable[[RankConfig, DistributedContext, EventBus], str],
@@ -181,5 +302,6 @@ def training_rank_main(
         events = EventBus()
         if ctx.is_main_process:  # progress lines for the launcher (the stage's bar and losses file)
             report_progress(events, stage.steps)
+        log_topology(name, stage, ctx)
         ctx.logger.info("%s", train(config, ctx, events))
     return 0

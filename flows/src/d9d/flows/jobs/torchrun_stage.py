@@ -17,13 +17,16 @@ from pydantic import BaseModel, Field
 from d9d.core.loop import CheckpointingConfig, TrainerConfig
 from d9d.core.lr import AnyLRScheduleConfig, ConstantScheduleConfig, build_lr_schedule
 from d9d.core.optim import AdamWConfig, AnyOptimizerConfig
+from d9d.flows.jobs.degree_checks import check_topology
 from d9d.flows.jobs.launch import LaunchSpec
 from d9d.flows.jobs.launchers import AnyLauncherConfig, LocalLauncherConfig, build_launcher
+from d9d.flows.jobs.launchers.config import launcher_nodes
 from d9d.flows.jobs.progress import Progress
 from d9d.flows.jobs.rank_failure import rank_errors
 from d9d.flows.jobs.stage_spec import PreflightError
 from d9d.flows.jobs.topology import RankTopology
 from d9d.metrics.trackers import AnyTrackerConfig
+from d9d.models.catalogue import AnyModelConfig
 
 JOB_FILE = "job.yaml"
 LOSSES_FILE = "losses.jsonl"
@@ -48,6 +51,9 @@ class LaunchedStageConfig(RankTopology):
     launcher: AnyLauncherConfig = Field(
         default_factory=LocalLauncherConfig, description="where the ranks run: local (torchrun here), slurm, kubernetes"
     )
+
+    def node_count(self) -> int:
+        return launcher_nodes(self.launcher)
 
     def key_config(self) -> dict[str, Any]:
         """The fields that change what is computed: every field but the ones above. Fields added since a stage's
@@ -97,9 +103,16 @@ class TrainingStageConfig(LaunchedStageConfig):
         if dp is not None and self.global_batch_rows % (dp * self.microbatch_rows):
             raise PreflightError(
                 f"{section}.global_batch_rows={self.global_batch_rows} cannot be split into micro-batches of "
-                f"{section}.microbatch_rows={self.microbatch_rows} over {section}.nproc_per_node={self.nproc_per_node} "
-                f"ranks; make it a multiple of {dp * self.microbatch_rows}"
+                f"{section}.microbatch_rows={self.microbatch_rows} over {dp} data-parallel ranks "
+                f"({section}.nproc_per_node={self.nproc_per_node}, {self.resolved_degrees().describe()}); make it a "
+                f"multiple of {dp * self.microbatch_rows}"
             )
+
+    def check_topology(self, section: str, model: AnyModelConfig, *, seq_len: int) -> None:
+        """The degrees fit the ranks, `model`, `seq_len` and the micro-batches per step (`degree_checks`)."""
+        dp = self.data_parallel_size()
+        per_rank = self.global_batch_rows // (dp * self.microbatch_rows) if dp is not None else None
+        check_topology(section, self, model, seq_len=seq_len, microbatches_per_step=per_rank or None)
 
     def check_schedule(self, section: str) -> None:
         """The LR schedule resolves for `steps` steps (what the rank program does first; e.g. a warm-up longer

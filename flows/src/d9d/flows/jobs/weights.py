@@ -34,8 +34,10 @@ def casting_mapper(targets: Mapping[str, torch.Tensor]) -> ModelStateMapper:
     return casts[0] if len(casts) == 1 else Parallel(casts)
 
 
-def load_converted_weights(source: Path, model: nn.Module) -> LoadReport:
-    return load_model_state(source, model, casting_mapper(model.state_dict()))
+def load_converted_weights(source: Path, model: nn.Module, *, pipeline_stages: bool = False) -> LoadReport:
+    """Every tensor of `model` from `source`, cast to the model's dtypes. `pipeline_stages`: `model` holds some
+    pipeline stages of the checkpoint's model (`degrees.pp > 1`), so the other stages' tensors are left unread."""
+    return load_model_state(source, model, casting_mapper(model.state_dict()), allow_unused=pipeline_stages)
 
 
 def save_model_directory(

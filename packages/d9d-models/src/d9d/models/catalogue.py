@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, assert_never
 
@@ -28,7 +29,16 @@ from d9d.models.qwen3.moe import Qwen3MoeForCausalLM
 from d9d.models.qwen3.parallelize import parallelize_qwen3_dense, parallelize_qwen3_moe
 from d9d.models.qwen3.params import Qwen3DenseParameters, Qwen3MoeParameters
 from d9d.models.qwen3.tensor_parallel import TensorParallelConfig
-from d9d.parallel import AnyDataParallelConfig
+from d9d.parallel import AnyDataParallelConfig, GradientSync
+from d9d.parallel.context import ContextParallelConfig
+from d9d.pipeline import (
+    SINGLE_STAGE,
+    PipelineAuxLosses,
+    PipelineConfig,
+    PipelineStage,
+    build_pipeline_schedule,
+    pipeline_group,
+)
 
 PARAMETERS_FILE = "parameters.json"
 ModelKind = Literal["qwen3_dense", "qwen3_moe"]
@@ -63,33 +73,122 @@ def build_model(
     prepare: Callable[[nn.Module], object] | None = None,
     loader: ModelLoader | None = None,
     tensor_parallel: TensorParallelConfig | None = None,
+    context: ContextParallelConfig | None = None,
+    pipeline: PipelineConfig | None = None,
+    num_microbatches: int | None = None,
 ) -> BuiltModel:
     """The model on `ctx`: built on meta, `prepare`d (e.g. PEFT injection, so the plan shards the adapters too),
-    parallelised by its family's plan (with `tensor_parallel` when the mesh has `tp > 1`), materialised, then filled
-    by `loader` (else its seeded initialisation)."""
-    model: nn.Module
-    subscribers: tuple[EventSubscriber, ...] = ()
-    match config:
-        case Qwen3DenseModelConfig():
-            with torch.device("meta"):
-                model = Qwen3DenseForCausalLM(config.parameters, config=config.decoder)
-            if prepare is not None:
-                prepare(model)
-            sync = parallelize_qwen3_dense(model, ctx, data_parallel, tensor_parallel=tensor_parallel)
-        case Qwen3MoeModelConfig():
-            with torch.device("meta"):
-                model = Qwen3MoeForCausalLM(config.parameters, config=config.decoder)
-            if prepare is not None:
-                prepare(model)
-            sync = parallelize_qwen3_moe(model, ctx, data_parallel, tensor_parallel=tensor_parallel)
-            balancer = moe_bias_balancer(model, config.expert_bias_rate)
-            subscribers = (balancer,) if balancer is not None else ()
-        case _:
-            assert_never(config)
-    materialize_(model, ctx.device)
+    parallelised by its family's plan (tensor parallelism with `tensor_parallel` when the mesh has `tp > 1`, context
+    parallel attention with `context` at `cp > 1`, experts sharded and dispatched at `ep > 1`, then data
+    parallelism), materialised, then filled by `loader` (else its seeded initialisation).
+
+    At `pp > 1` this rank's pipeline stages are built that way, one by one (`pipeline`, default 1F1B, over
+    `num_microbatches` micro-batches per step), and the result's `model` is their merged view with global names and
+    its `schedule` the pipeline schedule the Trainer (or `Inference`) runs them with. The stages' batches are the
+    data-parallel rank's micro-batches, as without pipelining (docs/design/0015).
+
+    Raises:
+        ValueError: `pp > 1` without `num_microbatches`, or a pipeline the layers or micro-batches cannot fill.
+    """
+    builder = _StageBuilder(config, ctx, data_parallel, prepare, tensor_parallel, context)
+    if ctx.degrees.pp > 1:
+        if num_microbatches is None:
+            raise ValueError(f"build_model: pp={ctx.degrees.pp} needs num_microbatches (micro-batches per step)")
+        return builder.pipelined(pipeline or PipelineConfig(), num_microbatches, loader)
+    model, sync = builder.stage(SINGLE_STAGE)
     if loader is not None:
         loader(model)
-    return BuiltModel(model=model, gradient_sync=sync, aux_losses=aux_loss_weights(model), subscribers=subscribers)
+    return BuiltModel(
+        model=model, gradient_sync=sync, aux_losses=aux_loss_weights(model), subscribers=builder.subscribers(model)
+    )
+
+
+@dataclass(frozen=True)
+class _StageBuilder:
+    """What every stage of one model is built from."""
+
+    config: Qwen3DenseModelConfig | Qwen3MoeModelConfig
+    ctx: DistributedContext
+    data_parallel: AnyDataParallelConfig
+    prepare: Callable[[nn.Module], object] | None
+    tensor_parallel: TensorParallelConfig | None
+    context: ContextParallelConfig | None
+
+    def stage(self, stage: PipelineStage) -> tuple[nn.Module, GradientSync]:
+        """One stage (the whole model at `SINGLE_STAGE`): meta -> prepare -> the family's plan -> materialised."""
+        config, ctx = self.config, self.ctx
+        model: nn.Module
+        match config:
+            case Qwen3DenseModelConfig():
+                with torch.device("meta"):
+                    model = Qwen3DenseForCausalLM(config.parameters, config=config.decoder, stage=stage)
+                parallelize = parallelize_qwen3_dense
+            case Qwen3MoeModelConfig():
+                with torch.device("meta"):
+                    model = Qwen3MoeForCausalLM(config.parameters, config=config.decoder, stage=stage)
+                parallelize = parallelize_qwen3_moe
+            case _:
+                assert_never(config)
+        if self.prepare is not None:
+            self.prepare(model)
+        sync = parallelize(model, ctx, self.data_parallel, tensor_parallel=self.tensor_parallel, context=self.context)
+        materialize_(model, ctx.device)
+        return model, sync
+
+    def subscribers(self, model: nn.Module) -> tuple[EventSubscriber, ...]:
+        """The MoE bias balancer (a loop subscriber) when the model has router expert biases."""
+        if not isinstance(self.config, Qwen3MoeModelConfig):
+            return ()
+        balancer = moe_bias_balancer(model, self.config.expert_bias_rate)
+        return (balancer,) if balancer is not None else ()
+
+    def pipelined(self, pipeline: PipelineConfig, num_microbatches: int, loader: ModelLoader | None) -> BuiltModel:
+        """This rank's stages, their merged view and the pipeline schedule over them."""
+        syncs: list[GradientSync] = []
+
+        def build_stage(stage: PipelineStage) -> nn.Module:
+            module, sync = self.stage(stage)
+            syncs.append(sync)
+            return module
+
+        schedule = build_pipeline_schedule(
+            pipeline,
+            self.ctx,
+            num_layers=self.config.parameters.num_layers,
+            num_microbatches=num_microbatches,
+            build_stage=build_stage,
+        )
+        model = schedule.model
+        if loader is not None:
+            loader(model)  # the merged view holds this rank's stages under their global names
+        # Every pp rank takes part in the logged auxiliary-loss sum, holding MoE layers or not.
+        aux = (
+            PipelineAuxLosses(aux_loss_weights(model), pipeline_group(self.ctx), self.ctx.device)
+            if isinstance(self.config, Qwen3MoeModelConfig)
+            else None
+        )
+        return BuiltModel(
+            model=model,
+            gradient_sync=StageGradientSyncs(syncs),
+            aux_losses=aux,
+            subscribers=self.subscribers(model),
+            schedule=schedule,
+        )
+
+
+class StageGradientSyncs:
+    """The gradient synchronisers of a rank's pipeline stages, driven together (each stage was parallelised alone)."""
+
+    def __init__(self, syncs: list[GradientSync]) -> None:
+        self.syncs = syncs
+
+    def begin_step(self, num_microbatches: int) -> None:
+        for sync in self.syncs:
+            sync.begin_step(num_microbatches)
+
+    def wait(self) -> None:
+        for sync in self.syncs:
+            sync.wait()
 
 
 def model_kind(parameters: AnyModelParameters) -> ModelKind:

@@ -9,6 +9,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from d9d.flows.jobs.launchers import AnyLauncherConfig, LocalLauncherConfig
+from d9d.flows.jobs.launchers.config import launcher_nodes
 from d9d.flows.jobs.topology import RankTopology
 from d9d.metrics.trackers import AnyTrackerConfig, NoTrackerConfig
 from d9d.models.catalogue import AnyModelConfig
@@ -34,6 +35,9 @@ class EvaluateStageConfig(RankTopology):
     launcher: AnyLauncherConfig = Field(
         default_factory=LocalLauncherConfig, description="where the ranks run: local (torchrun here), slurm, kubernetes"
     )
+
+    def node_count(self) -> int:
+        return launcher_nodes(self.launcher)
 
     def key_config(self, seq_len: int) -> dict[str, Any]:
         return {
@@ -100,11 +104,7 @@ class EvaluateSuiteConfig(BaseModel):
     def single(self, candidate: EvaluateCandidate) -> EvaluateConfig:
         stage = self.stage
         return EvaluateConfig(
-            nproc_per_node=stage.nproc_per_node,
-            degrees=stage.degrees,
-            data_parallel=stage.data_parallel,
-            tensor_parallel=stage.tensor_parallel,
-            device=stage.device,
+            **stage.topology(),
             rows_per_step=stage.rows_per_step,
             steps=stage.steps,
             seq_len=self.seq_len,

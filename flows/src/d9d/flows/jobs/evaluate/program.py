@@ -27,15 +27,20 @@ from d9d.core.data import PackedTokenDataset, TokenShardIndex
 from d9d.core.data.loader_config import SequentialOrderConfig
 from d9d.core.determinism import seed_everything
 from d9d.core.dist import DistributedContext
-from d9d.core.loop import Inference, LoaderDataSource
+from d9d.core.loop import Inference
 from d9d.core.loop.trainer import TRAINER_STATE_FILE
 from d9d.flows.jobs.evaluate.config import EvaluateConfig, EvaluateSuiteConfig
 from d9d.flows.jobs.launch import emit_progress, prepare_rank
-from d9d.flows.jobs.rank_wiring import PackedCausalLMTask, data_parallel_size, packed_loader
+from d9d.flows.jobs.rank_wiring import (
+    build_rank_model,
+    data_parallel_size,
+    packed_loader,
+    packed_source,
+    packed_task,
+)
 from d9d.flows.jobs.weights import load_converted_weights
 from d9d.metrics import BitsPerByteMetric, PerplexityMetric
 from d9d.metrics.trackers import build_tracker
-from d9d.models.catalogue import build_model
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,11 +66,11 @@ def run_evaluate(config: EvaluateConfig, ctx: DistributedContext) -> EvaluationR
     checkpoint = resolve_checkpoint(config.checkpoint)
     if checkpoint is not None and config.weights is not None:
         raise ValueError(f"checkpoint={config.checkpoint} and weights={config.weights}: set one of them, not both")
-    built = build_model(config.model, ctx, config.data_parallel, tensor_parallel=config.tensor_parallel)
+    built = build_rank_model(config, config.model, ctx, microbatches_per_step=1)  # one micro-batch per step
     if checkpoint is not None:
         load_model_weights(checkpoint, built.model)
     elif config.weights is not None:
-        load_converted_weights(config.weights, built.model)
+        load_converted_weights(config.weights, built.model, pipeline_stages=ctx.degrees.pp > 1)
     dp_size = data_parallel_size(ctx)
     if config.rows_per_step % dp_size:
         raise ValueError(f"rows_per_step={config.rows_per_step} must be a multiple of the data-parallel size {dp_size}")
@@ -81,7 +86,10 @@ def run_evaluate(config: EvaluateConfig, ctx: DistributedContext) -> EvaluationR
         order=SequentialOrderConfig(),
         epochs=1,
     )
-    inference = Inference(ctx, model=built.model, task=PackedCausalLMTask(), data=LoaderDataSource(loader, 1))
+    task = packed_task(config, config.model)
+    inference = Inference(
+        ctx, model=built.model, task=task, data=packed_source(ctx, loader, 1), schedule=built.schedule
+    )
     result = inference.run(steps)
     # The figures come from d9d-metrics (one definition of each); the loop's loss is already over every rank.
     index = TokenShardIndex.read(config.shards)

@@ -34,6 +34,7 @@ from d9d.flows.jobs.contract import (
     StageReporter,
     StageResult,
 )
+from d9d.flows.jobs.degree_checks import check_topology
 from d9d.flows.jobs.evaluate.config import EvaluateCandidate, EvaluateStageConfig, EvaluateSuiteConfig
 from d9d.flows.jobs.evaluate.plot import PlotUnavailable, plot_loss_curve
 from d9d.flows.jobs.launch import LaunchSpec
@@ -357,10 +358,14 @@ def skipped(plan: EvaluatePlan, completeness: Completeness) -> StageResult:
 
 def preflight(config: JobConfig) -> None:
     section = config.evaluate
-    if section.rows_per_step % section.nproc_per_node:
+    seq_len = section.seq_len or config.pretrain.seq_len
+    # One micro-batch per step: a pipelined evaluation runs the schedule's forward-only program over it.
+    degrees = check_topology("evaluate", section, config.pretrain.model, seq_len=seq_len, microbatches_per_step=1)
+    if section.rows_per_step % degrees.dp:
         raise PreflightError(
-            f"evaluate.rows_per_step={section.rows_per_step} is not a multiple of evaluate.nproc_per_node="
-            f"{section.nproc_per_node}; every rank evaluates the same number of rows per step"
+            f"evaluate.rows_per_step={section.rows_per_step} is not a multiple of the data-parallel size {degrees.dp} "
+            f"(evaluate.nproc_per_node={section.nproc_per_node}, {degrees.describe()}); every data-parallel rank "
+            "evaluates the same number of rows per step"
         )
 
 

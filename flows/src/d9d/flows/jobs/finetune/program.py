@@ -26,18 +26,26 @@ from torch import nn
 from d9d.core.config import load_config
 from d9d.core.data.loader_config import SequentialOrderConfig
 from d9d.core.dist import DistributedContext
-from d9d.core.loop import BuiltModel, EventBus, LoaderDataSource, ModelLoader, TrainResult, evaluate
-from d9d.core.loop.reduce import dp_group
+from d9d.core.loop import BuiltModel, EventBus, ModelLoader, TrainResult, evaluate
+from d9d.core.loop.reduce import token_group
 from d9d.flows.jobs.finetune.base import load_base, resolve_base
 from d9d.flows.jobs.finetune.config import FinetuneRankConfig
-from d9d.flows.jobs.rank_wiring import PackedCausalLMTask, build_stage_trainer, packed_loader, training_rank_main
+from d9d.flows.jobs.rank_wiring import (
+    PackedCausalLMTask,
+    build_rank_model,
+    build_stage_trainer,
+    data_parallel_size,
+    packed_loader,
+    packed_source,
+    packed_task,
+    training_rank_main,
+)
 from d9d.flows.jobs.weights import save_model_directory
 from d9d.metrics.trackers import build_tracker
 from d9d.models.catalogue import (
     AnyModelConfig,
     Qwen3DenseModelConfig,
     Qwen3MoeModelConfig,
-    build_model,
 )
 from d9d.models.qwen3 import mapper_to_huggingface_qwen3_dense, mapper_to_huggingface_qwen3_moe
 from d9d.peft import PeftInjectionResult, PeftMethod, build_peft_method, inject_peft_and_freeze, merge_peft
@@ -61,8 +69,11 @@ class FinetuneResult:
     total_parameters: int
 
 
-def validation_loss(config: FinetuneRankConfig, ctx: DistributedContext, model: nn.Module) -> float | None:
-    """Token-weighted loss over the first `validation_steps` batches of the validation shards (None: none set)."""
+def validation_loss(
+    config: FinetuneRankConfig, ctx: DistributedContext, built: BuiltModel, task: PackedCausalLMTask
+) -> float | None:
+    """Token-weighted loss over the first `validation_steps` batches of the validation shards (None: none set),
+    one micro-batch per step (pipelined: the schedule's forward-only program)."""
     if config.validation_shards is None:
         return None
     loader = packed_loader(
@@ -73,9 +84,11 @@ def validation_loss(config: FinetuneRankConfig, ctx: DistributedContext, model: 
         order=SequentialOrderConfig(),
         epochs=None,
     )
-    data = LoaderDataSource(loader, 1)
+    data = packed_source(ctx, loader, 1)
     steps = config.stage.validation_steps
-    return evaluate(model, PackedCausalLMTask(), data, steps=steps, group=dp_group(ctx), device=ctx.device).loss
+    return evaluate(
+        built.model, task, data, steps=steps, group=token_group(ctx), device=ctx.device, schedule=built.schedule
+    ).loss
 
 
 def to_hf_mapper(model: AnyModelConfig) -> ModelStateMapper:
@@ -121,15 +134,19 @@ def run_finetune(config: FinetuneRankConfig, ctx: DistributedContext, events: Ev
     def load(model: nn.Module) -> None:
         load_base(base, model, injections[-1], stage.base_mapping)
 
+    trainer_config = stage.trainer_config(config.checkpoints, trainable_only=True)  # the base is loaded first
+    built: list[BuiltModel] = []
+
     def model_provider(ctx: DistributedContext, loader: ModelLoader | None) -> BuiltModel:
-        return build_model(
-            config.model,
-            ctx,
-            stage.data_parallel,
-            prepare=prepare,
-            loader=loader,
-            tensor_parallel=stage.tensor_parallel,
+        microbatches = trainer_config.microbatches_per_step(data_parallel_size(ctx))
+        built.append(
+            build_rank_model(
+                stage, config.model, ctx, microbatches_per_step=microbatches, prepare=prepare, loader=loader
+            )
         )
+        return built[-1]
+
+    task = packed_task(stage, config.model)
 
     tracker = build_tracker(
         config.tracker, enabled=ctx.is_main_process, hparams=config.model_dump(mode="json"), name="finetune"
@@ -141,16 +158,17 @@ def run_finetune(config: FinetuneRankConfig, ctx: DistributedContext, events: Ev
         train_shards=config.train_shards,
         seq_len=config.seq_len,
         model_provider=model_provider,
+        task=task,
         loader=load,
         tracker=tracker,
         events=events,
         trainable_only=True,  # the base is loaded; only adapters are new
     )
     model = trainer.parts.model
-    before = validation_loss(config, ctx, model)
+    before = validation_loss(config, ctx, built[-1], task)
     result = trainer.train()
     tracker.close()
-    after = validation_loss(config, ctx, model)
+    after = validation_loss(config, ctx, built[-1], task)
     if not result.preempted:
         export_outputs(config, ctx, model, method, injections[-1])
     finetune = FinetuneResult(
@@ -179,6 +197,7 @@ def _train(config: FinetuneRankConfig, ctx: DistributedContext, events: EventBus
 def main(argv: Sequence[str] | None = None) -> int:
     return training_rank_main(
         argv,
+        "finetune",
         __doc__,
         lambda path, overrides: load_config(FinetuneRankConfig, path, overrides),  # the one validation on a rank
         _train,

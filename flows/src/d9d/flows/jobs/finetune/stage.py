@@ -196,18 +196,28 @@ def skipped(plan: FinetunePlan, completeness: Completeness) -> StageResult:
 
 def preflight(config: JobConfig) -> None:
     section = config.finetune
+    model = config.pretrain.model
+    if section.base is not None:
+        if not section.base.is_dir():
+            raise PreflightError(f"finetune.base={section.base} is not a directory of safetensors files")
+        model = base_model(section, decoder_of=config.pretrain.model)
+    if section.degrees.pp > 1:
+        # Each pipeline rank holds only its stages; the adapter and merged exports save one state on every rank.
+        raise PreflightError(
+            f"finetune.degrees.pp={section.degrees.pp} is not supported yet (the adapter and merged exports do not "
+            "gather the pipeline stages); fine-tune with finetune.degrees.pp=1 (a pipelined pretrain checkpoint "
+            "loads fine)"
+        )
+    section.check_topology("finetune", model, seq_len=config.pretrain.seq_len)
     section.check_batch("finetune")
     section.check_schedule("finetune")
     dp = section.data_parallel_size()
     if dp is not None and section.validation_rows_per_step % dp:
         raise PreflightError(
-            f"finetune.validation_rows_per_step={section.validation_rows_per_step} is not a multiple of "
-            f"finetune.nproc_per_node={section.nproc_per_node}; every rank evaluates the same number of rows"
+            f"finetune.validation_rows_per_step={section.validation_rows_per_step} is not a multiple of the "
+            f"data-parallel size {dp} (finetune.nproc_per_node={section.nproc_per_node}, "
+            f"{section.resolved_degrees().describe()}); every data-parallel rank evaluates the same number of rows"
         )
-    if section.base is not None:
-        if not section.base.is_dir():
-            raise PreflightError(f"finetune.base={section.base} is not a directory of safetensors files")
-        base_model(section, decoder_of=config.pretrain.model)
 
 
 def reads(config: JobConfig) -> dict[str, Path]:

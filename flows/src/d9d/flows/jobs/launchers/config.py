@@ -166,3 +166,8 @@ AnyLauncherConfig = Annotated[
     | Annotated[KubernetesLauncherConfig, Tag("kubernetes")],
     Discriminator(_launcher_kind),
 ]
+
+
+def launcher_nodes(launcher: AnyLauncherConfig) -> int:
+    """The nodes a stage's ranks run on under `launcher` (`nproc_per_node` ranks on each)."""
+    return 1 if isinstance(launcher, LocalLauncherConfig) else launcher.nodes

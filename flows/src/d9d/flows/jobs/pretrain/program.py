@@ -17,25 +17,33 @@ from d9d.core.config import load_config
 from d9d.core.dist import DistributedContext
 from d9d.core.loop import BuiltModel, EventBus, ModelLoader, TrainResult
 from d9d.flows.jobs.pretrain.config import PretrainRankConfig
-from d9d.flows.jobs.rank_wiring import build_stage_trainer, training_rank_main
+from d9d.flows.jobs.rank_wiring import (
+    build_rank_model,
+    build_stage_trainer,
+    data_parallel_size,
+    packed_task,
+    training_rank_main,
+)
 from d9d.flows.jobs.weights import load_converted_weights, save_model_directory
 from d9d.metrics.trackers import build_tracker
-from d9d.models.catalogue import build_model
 
 
 def run_pretrain(config: PretrainRankConfig, ctx: DistributedContext, events: EventBus | None = None) -> TrainResult:
     """Train on this rank (every rank of the job calls it with the same config); `events` sees the loop's events."""
     stage = config.stage
 
+    trainer_config = stage.trainer_config(config.checkpoints)
+
     def model_provider(ctx: DistributedContext, loader: ModelLoader | None) -> BuiltModel:
-        return build_model(stage.model, ctx, stage.data_parallel, loader=loader, tensor_parallel=stage.tensor_parallel)
+        microbatches = trainer_config.microbatches_per_step(data_parallel_size(ctx))
+        return build_rank_model(stage, stage.model, ctx, microbatches_per_step=microbatches, loader=loader)
 
     init_weights = config.init_weights
     loader: ModelLoader | None = None
     if init_weights is not None:
 
         def load(model: nn.Module) -> None:
-            load_converted_weights(init_weights, model)
+            load_converted_weights(init_weights, model, pipeline_stages=stage.degrees.pp > 1)
 
         loader = load
 
@@ -49,12 +57,14 @@ def run_pretrain(config: PretrainRankConfig, ctx: DistributedContext, events: Ev
         train_shards=config.train_shards,
         seq_len=stage.seq_len,
         model_provider=model_provider,
+        task=packed_task(stage, stage.model),
         loader=loader,
         tracker=tracker,
         events=events,
     )
     result = trainer.train()
     tracker.close()  # only after a normal return: a crashed attempt must not flush steps it will replay
+    # At pp > 1 each rank holds only its stages: the stage leaves `model_output` unset (design 0015).
     if config.model_output is not None and not result.preempted:
         save_model_directory(config.model_output, trainer.parts.model.state_dict(), stage.model.parameters, ctx)
     return result
@@ -68,6 +78,7 @@ def _train(config: PretrainRankConfig, ctx: DistributedContext, events: EventBus
 def main(argv: Sequence[str] | None = None) -> int:
     return training_rank_main(
         argv,
+        "pretrain",
         __doc__,
         lambda path, overrides: load_config(PretrainRankConfig, path, overrides),  # the one validation on a rank
         _train,

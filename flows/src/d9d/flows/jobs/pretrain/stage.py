@@ -99,7 +99,9 @@ def rank_config(plan: PretrainPlan, checkpoints: Path) -> PretrainRankConfig:
         train_shards=plan.train_shards,
         checkpoints=checkpoints,
         init_weights=plan.init_from,
-        model_output=checkpoints.parent / MODEL_DIR,
+        # Each pipelined rank holds only its stages, and the model-directory writer gathers whole tensors: at pp > 1
+        # the trained model stays in the job checkpoints (design 0015).
+        model_output=checkpoints.parent / MODEL_DIR if plan.config.degrees.pp == 1 else None,
         tracker=tracker_config(plan.config.tracker, checkpoints.parent),
     )
 
@@ -170,7 +172,7 @@ def run_pretrain_stage(plan: PretrainPlan, partial: PartialStage, progress: Prog
         "tracker": tracker_run(config.tracker, partial.root, plan.output),
         "ranks": config.nproc_per_node,
         "init": plan.init_note,
-        "model": MODEL_DIR,
+        "model": MODEL_DIR if config.degrees.pp == 1 else None,
         "resumed_from": run.resumed_from,
         "seconds": run.seconds(),
     }
@@ -184,8 +186,10 @@ def _artifacts(output: Path, statistics: Mapping[str, Any]) -> dict[str, str]:
 def model_artifact(output: Path, statistics: Mapping[str, Any]) -> str:
     """The trained model directory; an output committed before the stage exported one (its key is the same, so it
     stays finished) says how to get it."""
-    if "model" in statistics:
+    if statistics.get("model"):
         return str(output / str(statistics["model"]))
+    if "model" in statistics:
+        return f"none: trained with pipeline parallelism, the model is in {output / CHECKPOINTS_DIR} (its newest step)"
     return (
         f"none: this output was written before the pretrain stage exported its model; to get {output / MODEL_DIR}, "
         f"delete {output} and run the stage again (its training repeats)"
@@ -230,6 +234,7 @@ def preflight(config: JobConfig) -> None:
             f"pretrain.seq_len={section.seq_len} exceeds pretrain.model.parameters.max_position_embeddings="
             f"{parameters.max_position_embeddings}; lower seq_len or raise max_position_embeddings"
         )
+    section.check_topology("pretrain", section.model, seq_len=section.seq_len)
     section.check_batch("pretrain")
     section.check_schedule("pretrain")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -18,6 +18,9 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from d9d.core.dist import DistributedContext
 from d9d.core.loop.events import EventBus
+
+if TYPE_CHECKING:
+    from d9d.core.loop.schedule import StepSchedule
 
 TBatch = TypeVar("TBatch")
 TBatch_contra = TypeVar("TBatch_contra", contravariant=True)
@@ -71,6 +74,9 @@ class BuiltModel:
     flops_per_token: float | None = None  # forward + backward model FLOPs per token, for MFU
     aux_losses: AuxLossWeighting | None = None
     subscribers: tuple[EventSubscriber, ...] = ()
+    # How a step runs over `model` when it is not plain accumulation (a pipeline schedule over this rank's stages);
+    # `build_trainer` uses it unless it is given a schedule of its own.
+    schedule: StepSchedule | None = None
 
 
 class ModelProvider(Protocol):

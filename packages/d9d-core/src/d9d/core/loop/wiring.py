@@ -60,7 +60,7 @@ def build_trainer(
         data=data_provider(ctx, microbatches),
         task=task,
         validation_data=validation_provider(ctx, microbatches) if validation_provider is not None else None,
-        schedule=schedule or AccumulationSchedule(),
+        schedule=schedule or built.schedule or AccumulationSchedule(),
         clipper=clipper,
         tracker=tracker,
         flops_per_token=built.flops_per_token,

@@ -1,0 +1,139 @@
+"""`d9d run` refuses a topology the model, the sequence or the batch cannot take before any rank starts (before
+Prefect is even imported), naming the field, its value and what would be valid (docs/design/0015)."""
+
+import sys
+
+import pytest
+
+from d9d.flows.cli import EXIT_BAD_INPUT, main
+
+
+@pytest.fixture(autouse=True)
+def _prefect_stays_unimported():
+    was_imported = "prefect" in sys.modules
+    yield
+    if not was_imported:
+        assert "prefect" not in sys.modules, "bad degrees must be reported before Prefect is imported"
+
+
+def _error(capsys, tmp_path, stage: str, *overrides: str, preset: str = "micro") -> str:
+    argv = ["run", stage, "--preset", preset, "--set", f"workdir={tmp_path}"]
+    for override in overrides:
+        argv += ["--set", override]
+    assert main(argv) == EXIT_BAD_INPUT
+    assert not any(tmp_path.iterdir()), "nothing may be written for a refused run"
+    return capsys.readouterr().err
+
+
+def test_degrees_whose_product_does_not_fit_the_ranks(capsys, tmp_path):
+    err = _error(capsys, tmp_path, "pretrain", "pretrain.nproc_per_node=4", "pretrain.degrees.tp=3")
+    assert "pretrain.degrees do not fit 4 ranks (pretrain.nproc_per_node=4 on 1 node(s))" in err
+    assert "tp=3" in err and "choose degrees whose product divides 4" in err
+
+
+def test_fixed_degrees_multiplying_to_another_world_size(capsys, tmp_path):
+    err = _error(capsys, tmp_path, "pretrain", "pretrain.degrees.tp=2", "pretrain.degrees.dp_shard=2")
+    assert "mesh degrees multiply to 4 but the world size is 2" in err
+
+
+def test_tp_that_does_not_divide_the_key_value_heads(capsys, tmp_path):
+    err = _error(capsys, tmp_path, "pretrain", "pretrain.nproc_per_node=4", "pretrain.degrees.tp=4")
+    assert "pretrain.degrees.tp=4: tp=4 does not fit the model: num_key_value_heads=2" in err
+    assert "valid tp degrees: [1, 2]" in err
+
+
+def test_tp_with_replicated_data_parallelism(capsys, tmp_path):
+    err = _error(capsys, tmp_path, "pretrain", "pretrain.degrees.tp=2", "pretrain.data_parallel.kind=replicate")
+    assert "pretrain.data_parallel.kind=replicate with pretrain.degrees.tp=2 is not supported" in err
+    assert "use kind=fsdp or kind=hsdp" in err
+
+
+def test_cp_that_does_not_split_the_sequence_into_2cp_chunks(capsys, tmp_path):
+    err = _error(capsys, tmp_path, "pretrain", "pretrain.degrees.cp=2", "pretrain.seq_len=62")
+    assert "pretrain.degrees.cp=2 does not fit seq_len=62" in err
+    assert "needs a multiple of 2*cp=4 (e.g. 60 or 64)" in err
+
+
+def test_ep_on_a_dense_model(capsys, tmp_path):
+    err = _error(capsys, tmp_path, "pretrain", "pretrain.degrees.ep=2")
+    assert "pretrain.degrees.ep=2 needs a model with experts, but the model is qwen3_dense" in err
+
+
+def test_ep_that_does_not_divide_the_experts(capsys, tmp_path):
+    err = _error(
+        capsys, tmp_path, "pretrain", "pretrain.nproc_per_node=4", "pretrain.degrees.ep=4",
+        "pretrain.model.parameters.num_experts=6", preset="micro-moe",
+    )  # fmt: skip
+    assert "pretrain.degrees.ep=4 does not divide the model's num_experts=6" in err
+    assert "valid ep (dividing num_experts and dp_replicate*dp_shard*cp=4): [1, 2]" in err
+
+
+def test_ep_beyond_the_fold(capsys, tmp_path):
+    err = _error(capsys, tmp_path, "pretrain", "pretrain.degrees.ep=4", preset="micro-moe")
+    assert "ep=4 must divide dp_replicate*dp_shard*cp = 2" in err and "valid ep values: 1, 2" in err
+
+
+def test_pp_with_more_stages_than_layers(capsys, tmp_path):
+    err = _error(
+        capsys, tmp_path, "pretrain", "pretrain.degrees.pp=2", "pretrain.pipeline.schedule.kind=interleaved_1f1b",
+        "pretrain.pipeline.schedule.stages_per_rank=3",
+    )  # fmt: skip
+    assert "pretrain.degrees.pp=2 with pretrain.pipeline.schedule.kind=interleaved_1f1b" in err
+    assert "num_layers=2 (+0 virtual) cannot fill 6 stages" in err
+
+
+def test_pp_with_too_few_microbatches_for_the_schedule(capsys, tmp_path):
+    err = _error(
+        capsys, tmp_path, "pretrain", "pretrain.degrees.pp=2", "pretrain.global_batch_rows=4",
+        "pretrain.model.parameters.num_layers=4", "pretrain.pipeline.schedule.kind=dualpipe_v",
+    )  # fmt: skip
+    assert "(2 micro-batches per step, 4 layers)" in err
+    assert "schedule dualpipe_v needs at least 2*pp=4 micro-batches per step" in err
+
+
+def test_split_backward_schedule_with_fsdp(capsys, tmp_path):
+    err = _error(
+        capsys, tmp_path, "pretrain", "pretrain.nproc_per_node=4", "pretrain.degrees.pp=2",
+        "pretrain.pipeline.schedule.kind=zb_h1",
+    )  # fmt: skip
+    assert "schedule zb_h1 splits backward into input and weight gradients, which FSDP (dp_shard=2)" in err
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "why"),
+    [
+        ("pp", "cp", "no parity test covers pipelined context parallelism yet"),
+        ("ep", "tp", "experts are not tensor-parallel"),
+    ],
+)
+def test_combinations_not_supported_yet(capsys, tmp_path, first, second, why):
+    err = _error(
+        capsys, tmp_path, "pretrain", "pretrain.nproc_per_node=4", f"pretrain.degrees.{first}=2",
+        f"pretrain.degrees.{second}=2", preset="micro-moe",
+    )  # fmt: skip
+    assert f"pretrain.degrees.{first}=2 with pretrain.degrees.{second}=2 is not supported yet ({why}" in err
+    assert f"set pretrain.degrees.{first}=1 or pretrain.degrees.{second}=1" in err
+
+
+def test_finetune_degrees_are_checked_against_the_pretrained_model(capsys, tmp_path):
+    err = _error(capsys, tmp_path, "pipeline", "finetune.nproc_per_node=4", "finetune.degrees.tp=4")
+    assert "finetune.degrees.tp=4: tp=4 does not fit the model: num_key_value_heads=2" in err
+
+
+def test_pipelined_finetune_is_refused(capsys, tmp_path):
+    err = _error(capsys, tmp_path, "pipeline", "finetune.degrees.pp=2")
+    assert "finetune.degrees.pp=2 is not supported yet (the adapter and merged exports do not gather" in err
+
+
+def test_finetune_global_batch_over_the_data_parallel_ranks_of_tp(capsys, tmp_path):
+    err = _error(capsys, tmp_path, "pipeline", "finetune.nproc_per_node=4", "finetune.degrees.tp=2",
+                 "finetune.global_batch_rows=6")  # fmt: skip
+    assert (
+        "finetune.global_batch_rows=6 cannot be split into micro-batches of finetune.microbatch_rows=2 over 2 " in err
+    )
+    assert "make it a multiple of 4" in err
+
+
+def test_evaluate_degrees_are_checked(capsys, tmp_path):
+    err = _error(capsys, tmp_path, "pipeline", "evaluate.degrees.cp=2", "evaluate.seq_len=30")
+    assert "evaluate.degrees.cp=2 does not fit seq_len=30" in err

@@ -1,0 +1,98 @@
+"""`d9d run` trains with `degrees.tp/cp/pp/ep` (docs/design/0015): 4 gloo CPU ranks on the `micro` presets, each run
+in its own output directory over one prepared workdir, against the data-parallel-only run on the same ranks.
+
+Every run sees the same global batch per step (8 rows of 64 tokens) and starts from the same weights (the convert
+stage's checkpoint for the dense model; the seeded initialisation, which is layout-independent, for the MoE), so the
+loss curves must agree. Tolerance: relative 1e-5 per step over the 8 steps (4 for the fine-tune). The runs differ
+only in float32 summation order (tp splits the matmul reductions and the vocabulary-parallel loss; cp sums attention
+blocks with an online softmax; pp accumulates micro-batches stage by stage; ep sums expert outputs per rank);
+measured on the 2-core machine: tp2 2.0e-8, cp2 3.1e-8, pp2 (1F1B) 2.0e-8, ep2 2.0e-8, fine-tune tp2 4.1e-8
+relative at worst (pp2 x tp2 passes the same bound), so 1e-5 leaves room for another summation order while a wrong
+token weighting (1/cp, 1/dp) or a missed shard fails it.
+
+These are the slowest flow tests (a Prefect API and a torchrun launch of 4 ranks per run): few and short.
+"""
+
+import pytest
+
+from d9d.flows.cli import main
+from d9d.flows.jobs.torchrun_stage import LOG_FILE, LOSSES_FILE, read_losses
+
+pytestmark = [pytest.mark.isolated, pytest.mark.slow]
+
+TOLERANCE = 1e-5
+RANKS = "pretrain.nproc_per_node=4"
+
+
+@pytest.fixture(scope="module")
+def workdir(prefect_api, tmp_path_factory):
+    """data-prep, finetune-data and convert of the `micro` preset, once; every test trains into its own output."""
+    root = tmp_path_factory.mktemp("degrees")
+    for stage in ("data-prep", "finetune-data", "convert"):
+        assert main(["run", stage, "--preset", "micro", "--set", f"workdir={root}"]) == 0
+    return root
+
+
+def _run(workdir, stage: str, output: str, *overrides: str, preset: str = "micro") -> dict[int, float]:
+    target = workdir / output
+    argv = ["run", stage, "--preset", preset, "--set", f"workdir={workdir}", "--set", f"{stage}.output={target}"]
+    for override in overrides:
+        argv += ["--set", override]
+    assert main(argv) == 0
+    losses = read_losses(target / LOSSES_FILE)
+    assert sorted(losses) == list(range(1, len(losses) + 1)) and len(losses) >= 4
+    return losses
+
+
+def _assert_same_curve(actual: dict[int, float], expected: dict[int, float]) -> None:
+    worst = max(abs(actual[step] - expected[step]) / abs(expected[step]) for step in expected)
+    assert worst <= TOLERANCE, (actual, expected)
+
+
+def _ran_with(workdir, output: str, stage: str, degrees: str) -> None:
+    assert f"{stage} on {degrees}" in (workdir / output / LOG_FILE).read_text(encoding="utf-8")
+
+
+@pytest.fixture(scope="module")
+def dense_baseline(workdir):
+    losses = _run(workdir, "pretrain", "pretrain-dp4", RANKS)
+    _ran_with(workdir, "pretrain-dp4", "pretrain", "pp=1, dp_replicate=1, dp_shard=4, cp=1, tp=1, ep=1")
+    return losses
+
+
+@pytest.mark.parametrize(
+    ("name", "overrides", "degrees"),
+    [
+        ("tp2", ["pretrain.degrees.tp=2"], "pp=1, dp_replicate=1, dp_shard=2, cp=1, tp=2, ep=1"),
+        ("cp2", ["pretrain.degrees.cp=2"], "pp=1, dp_replicate=1, dp_shard=2, cp=2, tp=1, ep=1"),
+        (
+            "pp2",
+            ["pretrain.degrees.pp=2", "pretrain.pipeline.schedule.kind=1f1b"],
+            "pp=2, dp_replicate=1, dp_shard=2, cp=1, tp=1, ep=1, pipeline schedule 1f1b",
+        ),
+        (
+            "pp2tp2",
+            ["pretrain.degrees.pp=2", "pretrain.degrees.tp=2"],
+            "pp=2, dp_replicate=1, dp_shard=1, cp=1, tp=2, ep=1, pipeline schedule 1f1b",
+        ),
+    ],
+)
+def test_pretrain_with_a_degree_matches_data_parallel_only(workdir, dense_baseline, name, overrides, degrees):
+    losses = _run(workdir, "pretrain", f"pretrain-{name}", RANKS, *overrides)
+    _ran_with(workdir, f"pretrain-{name}", "pretrain", degrees)
+    _assert_same_curve(losses, dense_baseline)
+
+
+def test_moe_pretrain_with_expert_parallelism_matches_data_parallel_only(workdir):
+    baseline = _run(workdir, "pretrain", "moe-dp4", RANKS, preset="micro-moe")
+    losses = _run(workdir, "pretrain", "moe-ep2", RANKS, "pretrain.degrees.ep=2", preset="micro-moe")
+    _ran_with(workdir, "moe-ep2", "pretrain", "pp=1, dp_replicate=1, dp_shard=4, cp=1, tp=1, ep=2")
+    _assert_same_curve(losses, baseline)
+
+
+def test_finetune_with_tensor_parallelism_matches_data_parallel_only(workdir, dense_baseline):
+    base = [f"pretrain.output={workdir / 'pretrain-dp4'}", "finetune.nproc_per_node=4"]
+    baseline = _run(workdir, "finetune", "finetune-dp4", *base)
+    losses = _run(workdir, "finetune", "finetune-tp2", *base, "finetune.degrees.tp=2")
+    _ran_with(workdir, "finetune-tp2", "finetune", "pp=1, dp_replicate=1, dp_shard=2, cp=1, tp=2, ep=1")
+    _assert_same_curve(losses, baseline)
