@@ -3,6 +3,8 @@
 # Every part reruns its own baseline (FSDP at the same per-GPU batch) in the same command, since machines differ.
 # Usage there (carry .whl): bash bench/gpu_session.sh PART...; logs and the printed tables go to $OUT.
 #   parallel : tensor parallel vs FSDP (2 and 4 GPUs), expert parallel vs FSDP (1, 4 GPUs), long context (cp)
+#   context  : every long-context row (cp=1, 2, 4 at 16k; cp=2, 4 at 32k; cp=1 at 8k)
+#   nccltests: the NCCL tests of context attention and expert dispatch, failures in full
 #   compile  : tp2 x dp_shard2 with compiled layers, async TP off and on
 #   pipeline : pipeline schedules at pp=4, then the GPU parity tests of every parallel style over NCCL
 #   kernels  : the kernel table and the single-GPU Trainer ablation
@@ -36,6 +38,18 @@ for part in "$@"; do case $part in
     run 0 90 cp.log $C --cp 1 --seq 16384
     run 0,1,2,3 120 cp.log $C --cp 4 --seq 16384
     run 0,1,2,3 120 cp.log $C --cp 4 --seq 32768 ;;
+  context)  # every cp row of issue 14, cp=1 baselines first
+    C=bench/context_parallel.py
+    run 0 90 cp.log $C --cp 1 --seq 8192
+    run 0 90 cp.log $C --cp 1 --seq 16384
+    run 0,1 100 cp.log $C --cp 2 --seq 16384
+    run 0,1,2,3 100 cp.log $C --cp 4 --seq 16384
+    run 0,1 100 cp.log $C --cp 2 --seq 32768
+    run 0,1,2,3 100 cp.log $C --cp 4 --seq 32768 ;;
+  nccltests)  # the NCCL parity tests of context attention and expert dispatch, with their failure text
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -m gpu \
+      tests/parallel/test_gpu_context_attention.py tests/parallel/test_gpu_expert_dispatch.py 2>&1 \
+      | tee "$out/nccl-tests.log" | tail -60 | cut -c1-300 ;;
   compile)
     B=bench/tensor_parallel.py
     run 0,1,2,3 180 tp.log $B --tp 2 --compile --steps 8 --warmup 3

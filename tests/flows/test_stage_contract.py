@@ -15,6 +15,7 @@ from d9d.flows.jobs.contract import (
     StageOutputConflict,
     Status,
 )
+from d9d.flows.jobs.contract.manifest import ManifestError
 
 
 def _key(config=None, inputs=None):
@@ -229,3 +230,35 @@ def test_a_foreign_partial_directory_is_refused(tmp_path):
     with pytest.raises(StageOutputConflict, match=r"\.out\.partial exists but is not a d9d partial directory"):
         directory.open_partial(_key())
     assert (directory.partial / "keep.txt").read_text() == "not d9d's"
+
+
+def test_a_damaged_manifest_that_still_parses_is_never_taken_for_a_complete_output(tmp_path):
+    """Every digit of the manifest changed in turn (recorded sizes, checksums, the key, statistics): each damaged
+    manifest is refused by its own checksum, naming the file, and the output is kept for the user to inspect."""
+    directory = _complete(tmp_path)
+    path = directory.target / "manifest.json"
+    intact = path.read_text(encoding="utf-8")
+    digits = [index for index, char in enumerate(intact) if char.isdigit()]
+    assert len(digits) > 100
+    for index in digits:
+        damaged = intact[:index] + str((int(intact[index]) + 1) % 10) + intact[index + 1 :]
+        path.write_text(damaged, encoding="utf-8")
+        with pytest.raises(ManifestError, match=r"manifest.json is damaged"):
+            StageManifest.read(directory.target)
+        completeness = directory.check(_key())
+        assert completeness.status is Status.INCOMPLETE, (index, completeness.reason)
+    with pytest.raises(StageOutputConflict, match=r"has a manifest d9d cannot trust .*damaged") as refused:
+        _commit_new(directory)
+    assert "replace_outputs=true" in str(refused.value)
+    assert (directory.target / "a.bin").read_bytes() == b"alpha"
+    path.write_text(intact, encoding="utf-8")
+    assert directory.check(_key()).complete
+
+
+def test_a_manifest_written_before_the_checksum_existed_is_still_read(tmp_path):
+    directory = _complete(tmp_path)
+    path = directory.target / "manifest.json"
+    raw = json.loads(path.read_text(encoding="utf-8"))
+    del raw["manifest_sha256"]
+    path.write_text(json.dumps(raw, indent=2), encoding="utf-8")
+    assert directory.check(_key()).complete

@@ -44,7 +44,7 @@ def reference_attention(q, k, v, documents, scale):
     qh = q.transpose(1, 2)
     kh = k.transpose(1, 2).repeat_interleave(groups, dim=1)
     vh = v.transpose(1, 2).repeat_interleave(groups, dim=1)
-    allowed = torch.ones(seq, seq, dtype=torch.bool).tril()[None, None]
+    allowed = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()[None, None]
     if documents is not None:
         allowed = allowed & (documents[:, None, :, None] == documents[:, None, None, :])
     scores = (qh @ kh.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))

@@ -3,7 +3,8 @@
 Run on the GPU machine (skipped cleanly without 2 GPUs; DeepEP cases skip without `deep_ep`, see
 bench/build_deepep.sh). Tokens are bfloat16 (DeepEP's normal mode sends only bf16); every expert scales its rows by
 its index + 1 and the result is compared with the same weighted sum done locally in float32. bf16 rounding of the
-rows and of the weighted sum bounds the difference: rtol 2e-2, atol 2e-2 on values of order 10.
+rows and of the weighted sum bounds the difference: rtol 2e-2, atol 2e-2 on values of order 10 (outputs and token
+gradients); routing-weight gradients are sums of 256 bf16 products and get a bound relative to those products.
 """
 
 import importlib.util
@@ -60,7 +61,13 @@ def test_dispatch_then_combine_on_gpus_matches_the_local_computation(backend):
         grad_x, grad_w = torch.autograd.grad((out.float() * upstream).sum(), (x, weights))
         ref_x, ref_w = torch.autograd.grad((expected * upstream).sum(), (x, weights))
         torch.testing.assert_close(grad_x.float(), ref_x.float(), rtol=2e-2, atol=2e-2)
-        torch.testing.assert_close(grad_w.float(), ref_w.float(), rtol=2e-2, atol=5e-2)
+        # A routing weight's gradient is a sum over HIDDEN products taken in bf16 (the rows stay bf16 through
+        # combine), so its error scales with the sum of the products' magnitudes, not with the (often cancelling)
+        # result: bound it by 4 bf16 epsilons (2**-8 each) of that sum.
+        products = x.float().abs()[:, None, :] * (indices + 1).float()[..., None] * upstream.abs()[:, None, :]
+        magnitude = products.sum(-1)
+        excess = (grad_w.float() - ref_w.float()).abs() - 4 * 2**-8 * magnitude.detach()
+        assert excess.max().item() <= 0, f"routing-weight gradient beyond the bf16 bound by {excess.max().item():.3g}"
         ctx.close()
 
     run_on_ranks(world, body, init_process_group=False, timeout_seconds=300)

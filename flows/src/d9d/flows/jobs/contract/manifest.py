@@ -12,6 +12,16 @@ from d9d.flows.jobs.contract.fingerprint import FileFingerprint, digest_json
 
 MANIFEST_FILENAME: Final = "manifest.json"
 MANIFEST_VERSION: Final = 1
+# The manifest's own checksum: the SHA-256 of its other fields in canonical JSON. A damaged manifest that still
+# parses would otherwise pass for a complete output (a flipped digit in a recorded size or key). Manifests written
+# before it existed have none and are read as before.
+SELF_CHECKSUM_FIELD: Final = "manifest_sha256"
+_MANIFEST_FIELDS: Final = frozenset(
+    {
+        "manifest_version", "stage", "stage_version", "key", "config_hash", "inputs_hash", "created_at", "config",
+        "inputs", "outputs", "packages", "statistics",
+    }
+)  # fmt: skip
 
 
 class ManifestError(ValueError):
@@ -91,6 +101,11 @@ class StageManifest:
         )
 
     def to_json(self) -> dict[str, Any]:
+        """The fields, plus the checksum of those fields (`SELF_CHECKSUM_FIELD`)."""
+        body = self._body()
+        return {**body, SELF_CHECKSUM_FIELD: digest_json(body)}
+
+    def _body(self) -> dict[str, Any]:
         return {
             "manifest_version": MANIFEST_VERSION,
             "stage": self.stage,
@@ -127,6 +142,16 @@ class StageManifest:
             raise ManifestError(f"{path} does not exist") from error
         except (OSError, ValueError) as error:
             raise ManifestError(f"{path} is unreadable: {error}") from error
+        if not isinstance(raw, dict):
+            raise ManifestError(f"{path} is malformed: a JSON object was expected, found {type(raw).__name__}")
+        unknown = sorted(set(raw) - _MANIFEST_FIELDS - {SELF_CHECKSUM_FIELD})
+        if unknown:
+            raise ManifestError(f"{path} is damaged: unknown field(s) {', '.join(unknown)}")
+        recorded = raw.pop(SELF_CHECKSUM_FIELD, None)
+        if recorded is not None and recorded != digest_json(raw):
+            raise ManifestError(
+                f"{path} is damaged: its content does not match the checksum it records ({SELF_CHECKSUM_FIELD})"
+            )
         try:
             if raw["manifest_version"] != MANIFEST_VERSION:
                 raise ManifestError(f"{path}: manifest version {raw['manifest_version']}, expected {MANIFEST_VERSION}")

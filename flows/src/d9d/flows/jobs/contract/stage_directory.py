@@ -230,7 +230,9 @@ class StageDirectory:
             return None
         try:
             manifest = StageManifest.read(target)
-        except ManifestError:
+        except ManifestError as error:
+            if (target / MANIFEST_FILENAME).exists():
+                return f"{target} has a manifest d9d cannot trust ({error}), refusing to replace it"
             return (
                 f"{target} exists and is not a d9d stage output (no valid manifest; it holds "
                 f"{_list(entry.name + ('/' if entry.is_dir() else '') for entry in entries)}): refusing to replace it"
