@@ -221,11 +221,17 @@ def _check_evaluation_runs(workdir, report, out):
         assert hparams["run_name"] == f"evaluate {name}" == run["name"]
         (record,) = [json.loads(line) for line in (family / f"{run['run_id']}.jsonl").read_text().splitlines()]
         numbers = report["checkpoints"][checkpoint][split]
+        # The task scores go into the run of the checkpoint's first split (they do not depend on the split).
+        tasks = report["tasks"][checkpoint] if split == "pretrain-data" else {}
         assert record == {
             "step": 8 if checkpoint == "pretrain" else 0,  # a job checkpoint's step; converted/merged weights: 0
             "evaluate/loss": numbers["loss"],
             "evaluate/perplexity": numbers["perplexity"],
             "evaluate/bits_per_byte": numbers["bits_per_byte"],
+        } | {
+            f"evaluate/{task}/{metric}": value
+            for task, result in tasks.items()
+            for metric, value in result["metrics"].items()
         }
     assert f"jsonl, 6 runs (checkpoint x split): {family}" in out
 

@@ -128,14 +128,17 @@ def write_report(report: EvaluationReport, output: Path) -> None:
     (output / "evaluation.md").write_text(markdown, encoding="utf-8")
 
 
-def log_report(report: EvaluationReport, config: EvaluateConfig) -> str:
-    """Log the results as a new run of the training run's family (the same aim experiment, wandb group, JSONL or
-    TensorBoard directory) at the evaluated checkpoint's step; call it on the main process. Returns the run's id."""
+def log_report(report: EvaluationReport, config: EvaluateConfig, downstream: dict[str, Any] | None = None) -> str:
+    """Log the results (and the task scores of `downstream`, as `evaluate/<task>/<metric>`) as a new run of the
+    training run's family (the same aim experiment, wandb group, JSONL or TensorBoard directory) at the evaluated
+    checkpoint's step; call it on the main process. Returns the run's id."""
     step = 0
     if report.checkpoint is not None and (Path(report.checkpoint) / TRAINER_STATE_FILE).is_file():
         step = int(json.loads((Path(report.checkpoint) / TRAINER_STATE_FILE).read_text(encoding="utf-8"))["step"])
     tracker = build_tracker(config.tracker, enabled=True, hparams=config.model_dump(mode="json"), name=config.run_name)
     values = {"loss": report.loss, "perplexity": report.perplexity, "bits_per_byte": report.bits_per_byte}
+    for task, result in (downstream or {}).get("tasks", {}).items():
+        values |= {f"{task}/{metric}": value for metric, value in result["metrics"].items()}
     tracker.log(step, {f"evaluate/{name}": value for name, value in values.items()})
     run_id = tracker.run_id  # before close: an aim tracker would open a new run after it
     tracker.close()
@@ -172,6 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for config in configs:
             loaded = load_model(config, ctx)
             report = run_evaluate(config, ctx, loaded)
+            downstream = None
             if config.downstream is not None:
                 if evaluator is None:  # once per launch: lm_eval loads the tasks' data once for every model
                     evaluator = downstream_evaluator(config.downstream, config.output.parent, ctx)
@@ -180,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     write_downstream(downstream, config.output)
             if ctx.is_main_process:
                 write_report(report, config.output)
-                run_id = log_report(report, config)
+                run_id = log_report(report, config, downstream)
                 emit_progress({"event": "evaluated", "output": str(config.output), "tracker_run_id": run_id})
     return 0
 
