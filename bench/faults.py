@@ -17,6 +17,8 @@ run), truncate-checkpoint / flip-checkpoint-state (the newest complete checkpoin
     python bench/faults.py --trials 20 --seed 1                 # table on stdout
     python bench/faults.py --trials 100 --append-docs           # also appended to docs/reliability.md
     python bench/faults.py --trials 3 --kinds kill-rank flip-shard --json out.json   # what the CI test runs
+    python bench/faults.py --trials 4 --kinds kill-flow interrupt-flow damage-manifest full-disk-stage  # the pipeline
+    python bench/faults.py --aggregate runs/*.json                  # one table of many runs' trials
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ import numpy as np
 import psutil
 
 from d9d.core.data import TokenShardSetWriter
+from pipeline_faults import PIPELINE_KINDS, inject_pipeline, release, result_digest
+from pipeline_faults import run as run_pipeline
 
 HERE = Path(__file__).resolve().parent
 PROGRAM = HERE / "fault_rank_program.py"
@@ -49,6 +53,7 @@ KINDS = (
     "kill-rank", "kill-launcher", "sigterm", "full-disk", "hang",
     "flip-shard", "truncate-shard", "flip-index", "truncate-checkpoint", "flip-checkpoint-state",
 )  # fmt: skip
+ALL_KINDS = (*KINDS, *PIPELINE_KINDS)  # the pipeline kinds run the whole micro pipeline: minutes per trial
 RUN_TIMEOUT_S = 240
 
 
@@ -239,12 +244,40 @@ def run_trial(kind: str, root: Path, number: int, reference: str, rng: random.Ra
     return trial
 
 
+def run_pipeline_trial(
+    kind: str, root: Path, number: int, reference: str, reference_seconds: float, rng: random.Random
+) -> Trial:
+    """A fault in `d9d run pipeline --preset micro`, then the same command again (with the fix a refusal named)."""
+    started = time.monotonic()
+    work, home = root / f"trial-{number:04d}", root / "home"
+    log = root / f"trial-{number:04d}.log"
+    outside = _tree_digest(root / "outside")
+    try:
+        detail, refused, orphans, fix = inject_pipeline(kind, work, home, rng, reference_seconds)
+        trial = Trial(kind=kind, detail=detail, orphans=orphans + _reap(work))
+        code = run_pipeline(work, home, log, *fix)
+        trial.recovered = code == 0
+        try:
+            trial.lost_data = not trial.recovered or result_digest(work) != reference
+        except (OSError, ValueError, KeyError) as error:
+            trial.lost_data, trial.note = True, f"result unreadable: {error!r}"
+        trial.corrupt_accepted = refused is False
+        trial.orphans += _reap(work)
+        trial.outside_changed = _tree_digest(root / "outside") != outside
+    finally:
+        release(work)
+    trial.seconds = round(time.monotonic() - started, 1)
+    if trial.lost_data or trial.corrupt_accepted or trial.orphans or trial.outside_changed or not trial.recovered:
+        trial.note = (trial.note + f" see {log}").strip()
+    return trial
+
+
 def table(trials: list[Trial]) -> str:
     lines = [
         "| fault | injected | recovered | lost data | orphan processes | corrupt input accepted | outside changed |",
         "|---|---|---|---|---|---|---|",
     ]
-    for kind in [*KINDS, "all"]:
+    for kind in [*ALL_KINDS, "all"]:
         chosen = [trial for trial in trials if kind in ("all", trial.kind)]
         if not chosen:
             continue
@@ -261,7 +294,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trials", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
+    parser.add_argument(
+        "--kinds", nargs="+", choices=ALL_KINDS, default=list(KINDS), help="default: the stage kinds (fast)"
+    )
     parser.add_argument("--root", type=Path, help="keep trials here (default: a temporary directory)")
     parser.add_argument("--json", type=Path, help="write every trial as JSON here")
     parser.add_argument(
@@ -269,7 +304,14 @@ def main() -> int:
         action="store_true",
         help="add the table at the end of docs/reliability.md's fault campaign section",
     )
+    parser.add_argument(
+        "--aggregate", nargs="+", type=Path, metavar="JSON", help="print one table of earlier --json files"
+    )
     args = parser.parse_args()
+    if args.aggregate:
+        earlier = [Trial(**record) for path in args.aggregate for record in json.loads(path.read_text())]
+        print(table(earlier))
+        return 0
     root = args.root or Path(tempfile.mkdtemp(prefix="d9d-faults-"))
     root.mkdir(parents=True, exist_ok=True)
     (root / "outside").mkdir(exist_ok=True)
@@ -277,20 +319,38 @@ def main() -> int:
     rng = random.Random(args.seed)
     started = time.monotonic()
 
-    clean = root / "reference"
-    clean.mkdir(exist_ok=True)
-    make_shards(clean / "shards")
-    if _run(clean) != 0:
-        print(_log(clean)[-4000:], file=sys.stderr)
-        raise SystemExit("the fault-free reference run failed")
-    reference = (clean / "final.sha256").read_text().strip()
+    reference = ""
+    if any(kind in KINDS for kind in args.kinds):
+        clean = root / "reference"
+        clean.mkdir(exist_ok=True)
+        make_shards(clean / "shards")
+        if _run(clean) != 0:
+            print(_log(clean)[-4000:], file=sys.stderr)
+            raise SystemExit("the fault-free reference run failed")
+        reference = (clean / "final.sha256").read_text().strip()
+
+    kinds = list(args.kinds)
+    pipeline_reference, pipeline_seconds = "", 0.0
+    if any(kind in PIPELINE_KINDS for kind in kinds):
+        clean_pipeline = root / "pipeline-reference"
+        began = time.monotonic()
+        if run_pipeline(clean_pipeline, root / "home", root / "pipeline-reference.log") != 0:
+            print((root / "pipeline-reference.log").read_text()[-4000:], file=sys.stderr)
+            raise SystemExit("the fault-free reference pipeline run failed")
+        pipeline_seconds = time.monotonic() - began
+        pipeline_reference = result_digest(clean_pipeline)
+        print(f"fault-free micro pipeline: {pipeline_seconds:.0f} s")
 
     trials = []
-    kinds = list(args.kinds)
     for number in range(args.trials):
         kind = kinds[number % len(kinds)] if number < len(kinds) else rng.choice(kinds)  # every kind at least once
-        trial = run_trial(kind, root, number, reference, rng)
+        if kind in PIPELINE_KINDS:
+            trial = run_pipeline_trial(kind, root, number, pipeline_reference, pipeline_seconds, rng)
+        else:
+            trial = run_trial(kind, root, number, reference, rng)
         trials.append(trial)
+        if args.json:  # after every trial, so that a campaign stopped by a time limit keeps what it did
+            args.json.write_text(json.dumps([asdict(done) for done in trials], indent=1))
         flags = "ok" if trial.recovered and not (trial.lost_data or trial.corrupt_accepted or trial.orphans) else "BAD"
         print(f"[{number + 1}/{args.trials}] {kind}: {trial.detail} -> {flags} ({trial.seconds} s) {trial.note}")
     minutes = (time.monotonic() - started) / 60

@@ -5,13 +5,16 @@
 #   parallel : tensor parallel vs FSDP (2 and 4 GPUs), expert parallel vs FSDP (1, 4 GPUs), long context (cp)
 #   context  : every long-context row (cp=1, 2, 4 at 16k; cp=2, 4 at 32k; cp=1 at 8k)
 #   nccltests: the NCCL tests of context attention and expert dispatch, failures in full
+#   faults   : bench/faults.py's stage kinds on the CPUs, FAULT_PROCS campaigns in the background (call `wait` last)
 #   compile  : tp2 x dp_shard2 with compiled layers, async TP off and on
 #   pipeline : pipeline schedules at pp=4, then the GPU parity tests of every parallel style over NCCL
 #   kernels  : the kernel table and the single-GPU Trainer ablation
 #   deepep   : build DeepEP in the background (its own session, so it outlives the call), then test it
 set -u
 out=${OUT:-/tmp/d9d-gpu}; mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+# numpy and psutil travel for the fault campaign only, installed there if the image lacks them
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  $(ls .whl/*.whl | grep -v -e /numpy- -e /psutil-) || exit 1
 PYTHONPATH=/tmp/site:$(ls -d "$PWD"/packages/*/src | tr '\n' ':')$PWD/flows/src
 export PYTHONPATH PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DO_NOT_TRACK=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -50,10 +53,21 @@ for part in "$@"; do case $part in
     timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -m gpu \
       tests/parallel/test_gpu_context_attention.py tests/parallel/test_gpu_expert_dispatch.py 2>&1 \
       | tee "$out/nccl-tests.log" | tail -60 | cut -c1-300 ;;
-  compile)
+  faults)  # the fault campaign's stage kinds on the host's idle CPUs, in the background while later parts use GPUs
+    python3 -c "import psutil, numpy" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --target /tmp/site \
+      .whl/psutil-*.whl .whl/numpy-*.whl
+    seed0=${FAULT_SEED0:-41}
+    for seed in $(seq "$seed0" $(( seed0 + ${FAULT_PROCS:-8} - 1 ))); do
+      CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 timeout "${FAULT_SECONDS:-480}" python3 bench/faults.py \
+        --trials "${FAULT_TRIALS:-6}" --seed "$seed" --json "$out/faults-$seed.json" > "$out/faults-$seed.log" 2>&1 &
+    done ;;
+  compile)  # compiled FSDP baselines, compiled tp=2, compiled tp=2 with async TP; 2 then 4 GPUs
     B=bench/tensor_parallel.py
-    run 0,1,2,3 180 tp.log $B --tp 2 --compile --steps 8 --warmup 3
-    run 0,1,2,3 180 tp.log $B --tp 2 --compile --async-tp --steps 8 --warmup 3 ;;
+    for gpus in 0,1 0,1,2,3; do
+      run $gpus 85 tp.log $B --compile --steps 8 --warmup 3
+      run $gpus 85 tp.log $B --tp 2 --compile --steps 8 --warmup 3
+      run $gpus 85 tp.log $B --tp 2 --compile --async-tp --steps 8 --warmup 3
+    done ;;
   pipeline)
     # One launch per schedule so that one failure keeps the others' rows.
     for schedule in 1f1b interleaved_1f1b zbv dualpipe_v; do
