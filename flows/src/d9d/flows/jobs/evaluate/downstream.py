@@ -37,8 +37,10 @@ class DownstreamEvaluator:
     """Scores models on `config.tasks` and continues `config.prompts`; build it once per launch."""
 
     def __init__(self, config: DownstreamConfig, *, cache_dir: Path, process_group: dist.ProcessGroup | None) -> None:
-        # Local JSON-lines data needs no network; each rank builds its own dataset cache (no shared-file races).
-        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+        # Local JSON-lines data needs no network (hub tasks do); each rank builds its own dataset cache (no
+        # shared-file races).
+        if all(_is_local(task, config.tasks_dir) for task in config.tasks):
+            os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
         os.environ["HF_DATASETS_CACHE"] = str(cache_dir)
         from tokenizers import Tokenizer
 
