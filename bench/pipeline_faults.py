@@ -40,7 +40,7 @@ INTERRUPT_GRACE_S = 60  # "within seconds" on an idle machine; the shared 2-core
 
 def d9d_command(work: Path, *extra: str) -> list[str]:
     return [
-        sys.executable, "-m", "d9d.flows.cli", "run", "pipeline", "--preset", "micro", "--set", f"workdir={work}",
+        sys.executable, "-m", "d9d.flows", "run", "pipeline", "--preset", "micro", "--set", f"workdir={work}",
         *extra,
     ]  # fmt: skip
 
@@ -53,6 +53,10 @@ def start(work: Path, home: Path, log: Path, *extra: str) -> subprocess.Popen[st
     handle = log.open("a", encoding="utf-8")
     handle.write(f"\n=== {' '.join(d9d_command(work, *extra))}\n")
     handle.flush()
+    # A campaign started in the background (`nohup ... &`) inherits SIGINT ignored, and an ignored signal stays
+    # ignored across exec: Ctrl-C would never reach the run. A handled one is reset to the default on exec.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     return subprocess.Popen(
         d9d_command(work, *extra), env=env, stdout=handle, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )

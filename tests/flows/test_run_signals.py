@@ -120,3 +120,23 @@ def test_kill_9_of_d9d_leaves_no_process_of_the_run_alive(tmp_path):
     assert not alive, [proc.cmdline() for proc in alive]
     assert time.monotonic() - started < 45
     assert not _listening(port)
+
+
+def test_ctrl_c_while_the_command_is_still_importing_exits_130_without_a_traceback(tmp_path):
+    """The `d9d` entry point catches a Ctrl-C that lands in its imports (seconds of torch and pydantic; tens of
+    seconds on a loaded machine), where `cli.main` cannot: before, that gave a traceback and death by SIGINT."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith("PREFECT_")}
+    env["D9D_HOME"] = str(tmp_path / "home")
+    argv = ["run", "pipeline", "--preset", "micro", "--set", f"workdir={tmp_path / 'run'}"]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "d9d.flows", *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )  # fmt: skip
+    time.sleep(0.5)  # `import torch` alone takes longer than this
+    os.killpg(process.pid, signal.SIGINT)
+    output, _ = process.communicate(timeout=60)
+    text = output.decode(errors="replace")
+    assert process.returncode == EXIT_INTERRUPTED, text
+    assert "Traceback" not in text, text
+    assert "d9d: interrupted (SIGINT)" in text, text
+    assert not (tmp_path / "run").exists()
