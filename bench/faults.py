@@ -331,7 +331,12 @@ def main() -> int:
 
     kinds = list(args.kinds)
     pipeline_reference, pipeline_seconds = "", 0.0
-    if any(kind in PIPELINE_KINDS for kind in kinds):
+    reference_record = root / "pipeline-reference.json"  # kept, so that a later campaign in --root reuses it
+    if any(kind in PIPELINE_KINDS for kind in kinds) and reference_record.is_file():
+        recorded = json.loads(reference_record.read_text())
+        pipeline_reference, pipeline_seconds = recorded["digest"], recorded["seconds"]
+        print(f"fault-free micro pipeline: {pipeline_seconds:.0f} s (recorded in {reference_record})")
+    elif any(kind in PIPELINE_KINDS for kind in kinds):
         clean_pipeline = root / "pipeline-reference"
         began = time.monotonic()
         if run_pipeline(clean_pipeline, root / "home", root / "pipeline-reference.log") != 0:
@@ -339,20 +344,23 @@ def main() -> int:
             raise SystemExit("the fault-free reference pipeline run failed")
         pipeline_seconds = time.monotonic() - began
         pipeline_reference = result_digest(clean_pipeline)
+        reference_record.write_text(json.dumps({"digest": pipeline_reference, "seconds": pipeline_seconds}))
         print(f"fault-free micro pipeline: {pipeline_seconds:.0f} s")
 
     trials = []
-    for number in range(args.trials):
-        kind = kinds[number % len(kinds)] if number < len(kinds) else rng.choice(kinds)  # every kind at least once
+    first = len(list(root.glob("trial-*.log")))  # numbers go on after a previous campaign's in the same --root
+    for number in range(first, first + args.trials):
+        done = number - first
+        kind = kinds[done % len(kinds)] if done < len(kinds) else rng.choice(kinds)  # every kind at least once
         if kind in PIPELINE_KINDS:
             trial = run_pipeline_trial(kind, root, number, pipeline_reference, pipeline_seconds, rng)
         else:
             trial = run_trial(kind, root, number, reference, rng)
         trials.append(trial)
         if args.json:  # after every trial, so that a campaign stopped by a time limit keeps what it did
-            args.json.write_text(json.dumps([asdict(done) for done in trials], indent=1))
+            args.json.write_text(json.dumps([asdict(record) for record in trials], indent=1))
         flags = "ok" if trial.recovered and not (trial.lost_data or trial.corrupt_accepted or trial.orphans) else "BAD"
-        print(f"[{number + 1}/{args.trials}] {kind}: {trial.detail} -> {flags} ({trial.seconds} s) {trial.note}")
+        print(f"[{done + 1}/{args.trials}] {kind}: {trial.detail} -> {flags} ({trial.seconds} s) {trial.note}")
     minutes = (time.monotonic() - started) / 60
     summary = table(trials)
     print(summary)

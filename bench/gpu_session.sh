@@ -6,6 +6,8 @@
 #   context  : every long-context row (cp=1, 2, 4 at 16k; cp=2, 4 at 32k; cp=1 at 8k)
 #   nccltests: the NCCL tests of context attention and expert dispatch, failures in full
 #   faults   : bench/faults.py's stage kinds on the CPUs, FAULT_PROCS campaigns in the background (call `wait` last)
+#   scaling  : dense FSDP compiled on 1, 2, 4 GPUs;  ep2: MoE FSDP-only and ep=2 on 2 GPUs
+#   kerneltests: GPU tests in the pytest process (kernels at real sizes, models); run after forking parts
 #   compile  : tp2 x dp_shard2 with compiled layers, async TP off and on
 #   pipeline : pipeline schedules at pp=4, then the GPU parity tests of every parallel style over NCCL
 #   kernels  : the kernel table and the single-GPU Trainer ablation
@@ -61,6 +63,13 @@ for part in "$@"; do case $part in
       CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 timeout "${FAULT_SECONDS:-480}" python3 bench/faults.py \
         --trials "${FAULT_TRIALS:-6}" --seed "$seed" --json "$out/faults-$seed.json" > "$out/faults-$seed.log" 2>&1 &
     done ;;
+  scaling)  # issue 21's FSDP scaling on the GPUs lent (1, 2, 4), compiled, same per-GPU batch
+    for gpus in 0 0,1 0,1,2,3; do run $gpus 80 scaling.log bench/tensor_parallel.py --compile --steps 6 --warmup 2; done ;;
+  ep2)  # the MoE anchor on 2 GPUs: FSDP-only and ep=2
+    run 0,1 120 ep.log bench/expert_parallel.py --modes fsdp ep --steps 8 --warmup 3 --profile-steps 2 ;;
+  kerneltests)  # GPU tests that use CUDA in the pytest process (after every forking test)
+    timeout 170 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -m gpu tests/kernels tests/models 2>&1 \
+      | tee "$out/kernel-tests.log" | tail -25 | cut -c1-300 ;;
   compile)  # compiled FSDP baselines, compiled tp=2, compiled tp=2 with async TP; 2 then 4 GPUs
     B=bench/tensor_parallel.py
     for gpus in 0,1 0,1,2,3; do

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from d9d.flows.cli import main
-from d9d.flows.deployments.cluster import NCCL_ENV, ClusterJobSpec, render_cluster_job
+from d9d.flows.deployments.cluster import NCCL_ENV, TEMPLATES_DIR, ClusterJobSpec, render_cluster_job
 
 ROOT = Path(__file__).resolve().parents[2]
 INFRA = ROOT / "infra"
@@ -59,7 +59,7 @@ def _sbatch_options(script: str) -> dict[str, str]:
 
 
 def test_slurm_script_asks_for_two_nodes_of_eight_gpus_with_one_task_per_node():
-    script = render_cluster_job("slurm", TWO_BY_EIGHT, templates=INFRA)
+    script = render_cluster_job("slurm", TWO_BY_EIGHT, templates=TEMPLATES_DIR)
     options = _sbatch_options(script)
     assert options["--nodes"] == "2"
     assert options["--ntasks-per-node"] == "1"  # one torchrun per node; torchrun starts the 8 ranks
@@ -87,7 +87,7 @@ def _fake_cluster_bin(tmp_path: Path) -> Path:
 
 def test_slurm_script_runs_torchrun_with_c10d_rendezvous_on_the_first_node_and_the_nccl_environment(tmp_path):
     script = tmp_path / "job.sbatch"
-    script.write_text(render_cluster_job("slurm", TWO_BY_EIGHT, templates=INFRA))
+    script.write_text(render_cluster_job("slurm", TWO_BY_EIGHT, templates=TEMPLATES_DIR))
     record = tmp_path / "record"
     record.mkdir()
     environ = {
@@ -124,7 +124,7 @@ def test_slurm_script_runs_torchrun_with_c10d_rendezvous_on_the_first_node_and_t
 
 
 def _k8s_documents(spec: ClusterJobSpec) -> dict[str, dict]:
-    documents = list(yaml.safe_load_all(render_cluster_job("kubernetes", spec, templates=INFRA)))
+    documents = list(yaml.safe_load_all(render_cluster_job("kubernetes", spec, templates=TEMPLATES_DIR)))
     return {document["kind"]: document for document in documents}
 
 
@@ -188,11 +188,11 @@ def test_kubernetes_torchrun_takes_its_node_rank_from_the_completion_index_and_m
 def test_render_job_command_prints_the_template_for_the_spec_and_rejects_bad_fields(capsys, tmp_path):
     spec_file = tmp_path / "spec.yaml"
     spec_file.write_text(yaml.safe_dump({"nodes": 2, "gpus_per_node": 8, "partition": "gpu"}))
-    assert main(["render-job", "slurm", "--spec", str(spec_file), "--templates", str(INFRA), "--set", "nodes=4"]) == 0
+    assert main(["render-job", "slurm", "--spec", str(spec_file), "--set", "nodes=4"]) == 0
     options = _sbatch_options(capsys.readouterr().out)
     assert (options["--nodes"], options["--gpus-per-node"], options["--partition"]) == ("4", "8", "gpu")
 
-    assert main(["render-job", "kubernetes", "--templates", str(INFRA), "--set", "name=Big_Job"]) == 2
+    assert main(["render-job", "kubernetes", "--set", "name=Big_Job"]) == 2
     assert "name = 'Big_Job'" in capsys.readouterr().err
     assert main(["render-job", "kubernetes", "--templates", str(tmp_path)]) == 2
     assert "no kubernetes template at" in capsys.readouterr().err
@@ -310,7 +310,7 @@ def test_environment_names_and_values_are_checked_and_secrets_refused_inline(env
 
 
 def test_the_render_job_command_refuses_a_hostile_value_with_exit_2(capsys):
-    argv = ["render-job", "slurm", "--templates", str(INFRA), "--set", "partition=gpu;reboot"]
+    argv = ["render-job", "slurm", "--set", "partition=gpu;reboot"]
     assert main(argv) == 2
     assert "partition = 'gpu;reboot'" in capsys.readouterr().err
 
@@ -324,7 +324,7 @@ def test_secrets_come_from_secret_key_refs_and_the_slurm_environment_never_from_
         "name": "WANDB_API_KEY",
         "valueFrom": {"secretKeyRef": {"name": "wandb", "key": "api-key"}},
     }
-    script = render_cluster_job("slurm", spec, templates=INFRA)
+    script = render_cluster_job("slurm", spec, templates=TEMPLATES_DIR)
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
     done = subprocess.run(
         ["bash", "-c", script.split("export OMP_NUM_THREADS")[0]], capture_output=True, text=True, check=False

@@ -113,10 +113,9 @@ def test_moe_permute_at_anchor_shape():
 def test_grouped_gemm_at_anchor_shape_with_skewed_groups():
     from d9d.kernels.grouped_mm import EagerGroupedMm, TritonGroupedMm
 
-    sizes = torch.tensor(
-        [4 * 1024 + 512] * 4 + [1024 - 17] * 56 + [0] * 3 + [65536 - 4 * 4608 - 56 * 1007], device="cuda"
-    )
-    assert int(sizes.sum()) == 65536
+    # Four hot experts, 56 with an odd count (not a multiple of any block size), three idle ones, and the rest.
+    sizes = torch.tensor([4608] * 4 + [783] * 56 + [0] * 3 + [65536 - 4 * 4608 - 56 * 783], device="cuda")
+    assert int(sizes.sum()) == 65536 and int(sizes.min()) >= 0  # a negative count made the kernel read out of bounds
     x, w = _bf16(65536, 1024, seed=0), _bf16(64, 768, 1024, seed=1, scale=1024**-0.5)
     _compare(
         lambda a, b: TritonGroupedMm()(a, b, sizes),

@@ -36,7 +36,8 @@ from d9d.core.optim import AdamWConfig, build_optimizer
 from d9d.kernels.attention import EagerAttentionConfig
 from d9d.kernels.grouped_mm import EagerGroupedMmConfig
 from d9d.models import DecoderConfig, materialize_
-from d9d.models.blocks.moe import aux_loss_weights
+from d9d.models.blocks.late_init import init_normal_
+from d9d.models.blocks.moe import TopKRouter, aux_loss_weights
 from d9d.models.qwen3 import (
     Qwen3DenseForCausalLM,
     Qwen3MoeForCausalLM,
@@ -79,6 +80,17 @@ def build_tiny(family: str) -> nn.Module:
             params = qwen3_moe_parameters_from_hf(MOE_HF).model_copy(update={"z_loss_coef": 0.05})
             return Qwen3MoeForCausalLM(params, config=EAGER)
         return Qwen3DenseForCausalLM(qwen3_dense_parameters_from_hf(DENSE_HF), config=EAGER)
+
+
+def spread_routers(model: nn.Module, std: float | None) -> None:
+    """Redraw the router weights with a wider `std` (None: keep them), the same values whatever the layout, so the
+    k-th and (k+1)-th expert of a token are far apart (no top-k near-ties that rounding could flip)."""
+    if std is None:
+        return
+    torch.manual_seed(SEED + 1)
+    for module in model.modules():
+        if isinstance(module, TopKRouter):
+            init_normal_(module.weight, std)
 
 
 def packed_global_batch(step: int, rows: int, seq: int = SEQ) -> dict[str, torch.Tensor]:
@@ -153,6 +165,7 @@ class CpModelProvider:
     context: ContextParallelConfig
     prepare: Callable[[nn.Module], object] | None = None  # e.g. LoRA injection, on the meta model
     data_parallel: AnyDataParallelConfig = field(default_factory=FsdpConfig)
+    router_std: float | None = None
 
     def __call__(self, ctx: DistributedContext, loader: ModelLoader | None) -> BuiltModel:
         model = build_tiny(self.family)
@@ -161,6 +174,7 @@ class CpModelProvider:
         parallelize = parallelize_qwen3_dense if self.family == "dense" else parallelize_qwen3_moe
         sync = parallelize(model, ctx, self.data_parallel, context=self.context)
         materialize_(model, ctx.device)
+        spread_routers(model, self.router_std)
         return BuiltModel(model=model, gradient_sync=sync, aux_losses=aux_loss_weights(model))
 
 
@@ -177,6 +191,7 @@ def build_cp_trainer(
     checkpoint_every: int | None = None,
     prepare: Callable[[nn.Module], object] | None = None,
     data_parallel: AnyDataParallelConfig | None = None,
+    router_std: float | None = None,
 ) -> Trainer[Any]:
     config = TrainerConfig(
         total_steps=total_steps,
@@ -194,7 +209,7 @@ def build_cp_trainer(
         ctx,
         config,
         model_provider=CpModelProvider(  # type: ignore[arg-type]
-            family, ContextParallelConfig(attention=attention), prepare, data_parallel or FsdpConfig()
+            family, ContextParallelConfig(attention=attention), prepare, data_parallel or FsdpConfig(), router_std
         ),
         task=PackedTask(),
         data_provider=data_provider_for(global_rows, microbatch_rows),
@@ -221,6 +236,7 @@ def train_distributed(
     attention: str,
     prepare: Callable[[nn.Module], object] | None = None,
     data_parallel: AnyDataParallelConfig | None = None,
+    router_std: float | None = None,
 ) -> Run:
     events = EventBus()
     norms: list[float] = []
@@ -234,6 +250,7 @@ def train_distributed(
         events=events,
         prepare=prepare,
         data_parallel=data_parallel,
+        router_std=router_std,
     )
     result = trainer.train()
     model = trainer.parts.model
@@ -254,15 +271,18 @@ def train_reference(
     *,
     aux_weight: float = 1.0,
     prepare: Callable[[nn.Module], object] | None = None,
+    router_std: float | None = None,
 ) -> Run:
     """One process, the whole global batch per step, plain full attention (positions from the document ids).
 
-    `aux_weight` scales the MoE auxiliary losses (1: one forward over the whole batch is the step's)."""
+    `aux_weight` scales the MoE auxiliary losses (1: one forward over the whole batch is the step's); `router_std`
+    as in `spread_routers`."""
     model = build_tiny(family)
     if prepare is not None:
         prepare(model)
     seed_everything(SEED)
     materialize_(model, "cpu")
+    spread_routers(model, router_std)
     weights = aux_loss_weights(model)
     if weights is not None:
         weights.set_weight(aux_weight)

@@ -65,9 +65,9 @@ DENSE_HF = dict(
     hidden_size=HIDDEN,
     intermediate_size=48,
     num_hidden_layers=LAYERS,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=16,
+    num_attention_heads=4,
+    num_key_value_heads=2,  # grouped-query attention that tp=2 can split (one key/value head per rank)
+    head_dim=8,
     rope_theta=10000.0,
     tie_word_embeddings=False,
     max_position_embeddings=64,
@@ -79,14 +79,22 @@ LR_SCHEDULE = PiecewiseScheduleConfig(
 )
 
 
-def build_meta(family: str, stage: PipelineStage) -> nn.Module:
+AUX_LOSSES = {
+    "moe": {"z_loss_coef": 0.05, "load_balancing_coef": 0.1},  # auxiliary losses ride through stages
+    # Under tp each rank routes a sequence shard: its z-loss (a mean over tokens) adds up to the micro-batch's, its
+    # load-balancing loss (a product of means) does not (per-shard balance, as per-micro-batch balance without tp).
+    "moe_z_loss": {"z_loss_coef": 0.05},
+}
+"""The MoE families (same parameters, hence the same initial weights) by their auxiliary-loss coefficients."""
+
+
+def build_meta(family: str, stage: PipelineStage, decoder: DecoderConfig = EAGER) -> nn.Module:
+    """`family`: "dense" or a key of `AUX_LOSSES`."""
     with torch.device("meta"):
-        if family == "moe":
-            params = qwen3_moe_parameters_from_hf(MOE_HF).model_copy(
-                update={"z_loss_coef": 0.05, "load_balancing_coef": 0.1}  # auxiliary losses ride through stages
-            )
-            return Qwen3MoeForCausalLM(params, config=EAGER, stage=stage)
-        return Qwen3DenseForCausalLM(qwen3_dense_parameters_from_hf(DENSE_HF), config=EAGER, stage=stage)
+        if family in AUX_LOSSES:
+            params = qwen3_moe_parameters_from_hf(MOE_HF).model_copy(update=AUX_LOSSES[family])
+            return Qwen3MoeForCausalLM(params, config=decoder, stage=stage)
+        return Qwen3DenseForCausalLM(qwen3_dense_parameters_from_hf(DENSE_HF), config=decoder, stage=stage)
 
 
 @functools.cache
@@ -111,7 +119,12 @@ def load_initial(module: nn.Module, family: str) -> None:
 
 
 class CausalLMPipelineTask:
-    """Labels are already shifted; stages hand over `(rows, seq, hidden)` float32 hidden states."""
+    """Labels are already shifted; stages hand over `(rows, seq / sequence_shards, hidden)` float32 hidden states:
+    under tensor (sequence) parallelism each tp rank sends its shard of the sequence to the same tp rank of the next
+    stage."""
+
+    def __init__(self, sequence_shards: int = 1) -> None:
+        self.sequence_shards = sequence_shards
 
     def count_tokens(self, batch: TokenBatch) -> int:
         return int((batch.labels != -100).sum())
@@ -133,7 +146,8 @@ class CausalLMPipelineTask:
         return out.hidden_states
 
     def activation_spec(self, batch: TokenBatch, *, stage: PipelineStage) -> ActivationSpec:
-        return ActivationSpec(shape=(*batch.input_ids.shape, HIDDEN), dtype=torch.float32)
+        rows, seq = batch.input_ids.shape
+        return ActivationSpec(shape=(rows, seq // self.sequence_shards, HIDDEN), dtype=torch.float32)
 
 
 @dataclass
@@ -202,8 +216,10 @@ def pipelined_run(
     checkpoint_dir: Path | None = None,
     checkpoint_every: int | None = None,
     seed: int = 5,
+    decoder: DecoderConfig = EAGER,
 ) -> RunRecord:
-    """Train through the core Trainer with the pipeline schedule; this rank's final parameters as full tensors."""
+    """Train through the core Trainer with the pipeline schedule; this rank's final parameters as full tensors.
+    `decoder` picks the kernel backends (the reference always runs `EAGER`)."""
     trainer_config = TrainerConfig(
         total_steps=steps,
         global_batch_rows=global_rows,
@@ -223,9 +239,9 @@ def pipelined_run(
     holder: dict[str, object] = {}
 
     def build_stage(stage: PipelineStage) -> nn.Module:
-        module = build_meta(family, stage)
+        module = build_meta(family, stage, decoder)
         if fsdp:
-            parallelize = parallelize_qwen3_moe if family == "moe" else parallelize_qwen3_dense
+            parallelize = parallelize_qwen3_moe if family in AUX_LOSSES else parallelize_qwen3_dense
             parallelize(module, ctx, FsdpConfig())
         materialize_(module, ctx.device)
         load_initial(module, family)
@@ -237,7 +253,7 @@ def pipelined_run(
         )
         holder["schedule"] = schedule
         sync = ModuleGradientSync(schedule.model) if fsdp else NoGradientSync()
-        aux = PipelineAuxLosses(aux_loss_weights(schedule.model), group, ctx.device) if family == "moe" else None
+        aux = PipelineAuxLosses(aux_loss_weights(schedule.model), group, ctx.device) if family in AUX_LOSSES else None
         return BuiltModel(model=schedule.model, gradient_sync=sync, aux_losses=aux)
 
     def data(ctx: DistributedContext, microbatches: int) -> SyntheticTokenSource:
@@ -260,7 +276,7 @@ def pipelined_run(
         ctx,
         trainer_config,
         model_provider=provide,
-        task=CausalLMPipelineTask(),
+        task=CausalLMPipelineTask(sequence_shards=ctx.degrees.tp),
         data_provider=data,
         optimizer_provider=lambda model: build_optimizer(OPTIMIZER, model.parameters()),
         lr_scheduler_provider=lambda optimizer, total: build_lr_scheduler(LR_SCHEDULE, optimizer, total),
@@ -277,8 +293,9 @@ def pipelined_run(
     return RunRecord(losses=[result.losses[step] for step in sorted(result.losses)], grad_norms=norms, params=params)
 
 
-def context(pp: int, dp_shard: int = 1, device: str = "cpu") -> DistributedContext:
-    return DistributedContext.build(MeshDegrees(pp=pp, dp_shard=dp_shard), device=device)  # type: ignore[arg-type]
+def context(pp: int, dp_shard: int = 1, device: str = "cpu", *, tp: int = 1) -> DistributedContext:
+    degrees = MeshDegrees(pp=pp, dp_shard=dp_shard, tp=tp)
+    return DistributedContext.build(degrees, device=device)  # type: ignore[arg-type]
 
 
 def max_relative(actual: list[float], expected: list[float]) -> float:

@@ -55,3 +55,35 @@ def test_nccl_pipeline_matches_single_process(schedule):
     for family, loss, norm, params in run_on_ranks(world, body, init_process_group=False, timeout_seconds=600)[0]:
         print(f"{schedule} pp={world} {family}: loss {loss:.1e} norm {norm:.1e} params {params:.1e}")
         assert loss < 1e-5 and norm < 1e-4 and params < 1e-4
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
+def test_nccl_pipeline_with_tensor_parallelism_matches_single_process(schedule):
+    """pp=2 x tp=2 on 4 GPUs: the stages hand over their sequence shards over NCCL (docs/design/0016); MoE with the
+    z-loss only (a tp rank's load-balancing loss is its shard's). Same tolerances as above."""
+    if _gpu_world() < 4:
+        pytest.skip(f"pp=2 x tp=2 needs 4 GPUs; {_gpu_world()} visible")
+
+    def body() -> list[tuple[str, float, float, float]]:
+        os.environ["D9D_DEVICE"] = "cuda"
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        ctx = context(2, 1, device="cuda", tp=2)
+        results = []
+        for family in ("dense", "moe_z_loss"):
+            config = PipelineConfig(schedule=SCHEDULES[schedule])
+            record = pipelined_run(ctx, family, config, steps=STEPS, global_rows=ROWS, fsdp=True)
+            reference = shared_reference(family, steps=STEPS, global_rows=ROWS, device=ctx.device)
+            results.append(
+                (
+                    family,
+                    max_relative(record.losses, [step.losses[0] for step in reference]),
+                    max_relative(record.grad_norms, [step.grad_norms[0] for step in reference]),
+                    all_ranks_max(max_param_error(record.params, reference[-1].params), ctx.device),
+                )
+            )
+        return results
+
+    for family, loss, norm, params in run_on_ranks(4, body, init_process_group=False, timeout_seconds=600)[0]:
+        print(f"{schedule} pp=2 x tp=2 {family}: loss {loss:.1e} norm {norm:.1e} params {params:.1e}")
+        assert loss < 1e-5 and norm < 1e-4 and params < 1e-4

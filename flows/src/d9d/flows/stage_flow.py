@@ -9,6 +9,8 @@ whatever Prefect remembers. The flows are reachable by module path (`d9d.flows.s
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -19,10 +21,16 @@ from prefect.cache_policies import NO_CACHE
 from d9d.flows.console import current_progress
 from d9d.flows.jobs.config import JobConfig
 from d9d.flows.jobs.contract import Completeness, StageDirectory, StageResult
+from d9d.flows.jobs.launchers import ClusterJob, observe_cluster_jobs
+from d9d.flows.jobs.launchers.checks import gpu_slots
 from d9d.flows.jobs.progress import LogProgress, Progress
 from d9d.flows.jobs.stage_spec import MarkdownArtifact, StagePlan, StageSpec, TableArtifact
 from d9d.flows.jobs.stages import STAGES, require_inputs
 
+GPU_LIMIT = "gpus"  # the global concurrency limit `d9d deploy` creates (infra/prefect.yaml): slots = GPUs
+# A held slot's lease is renewed while the stage runs; a flow run killed outright (kill -9, a lost node) stops
+# renewing, and its slots return to the limit this long after.
+GPU_LEASE_SECONDS = 60.0
 JobParameter = dict[str, Any] | JobConfig
 StageFlow = Flow[[JobParameter], dict[str, Any]]
 
@@ -65,6 +73,35 @@ def publish_task(spec: StageSpec[Any], result: StageResult) -> None:
                 create_table_artifact(artifact.rows, key=artifact.key, description=artifact.description)
 
 
+@contextmanager
+def gpu_slots_held(spec: StageSpec[Any], slots: int) -> Iterator[None]:
+    """Hold `slots` of the `gpus` limit while the block runs (waits until they are free; none for a CPU stage).
+    Without that limit on the Prefect server (a plain `d9d run`) nothing is held."""
+    if slots <= 0:
+        yield
+        return
+    from prefect.concurrency.sync import concurrency
+
+    progress = _progress()
+    progress.note(f"{spec.name}: waiting for {slots} slot(s) of the {GPU_LIMIT!r} concurrency limit")
+    with concurrency(GPU_LIMIT, occupy=slots, lease_duration=GPU_LEASE_SECONDS, strict=False):
+        progress.note(f"{spec.name}: holds {slots} slot(s) of {GPU_LIMIT!r}")
+        yield
+
+
+def publish_cluster_job(spec: StageSpec[Any]) -> AbstractContextManager[None]:
+    """An artifact on the run's page for the stage's cluster job: id, state, nodes, log (updated as it changes)."""
+
+    def publish(job: ClusterJob) -> None:
+        create_table_artifact(
+            job.rows(),
+            key=f"{spec.name}-cluster-job",
+            description=f"{spec.name}: {job.scheduler} job {job.job_id}, {job.state}",
+        )
+
+    return observe_cluster_jobs(publish)
+
+
 def run_stage(spec: StageSpec[Any], config: JobConfig) -> StageResult:
     """The body of every stage flow."""
     # A stage replaces only what it wrote itself, unless the job says `replace_outputs` (see the stage contract).
@@ -78,7 +115,9 @@ def run_stage(spec: StageSpec[Any], config: JobConfig) -> StageResult:
             result = spec.skipped(plan, completeness)
         else:
             progress.note(f"{spec.name}: {spec.describe(plan)} ({completeness.reason})")
-            result = run_task(spec, directory, plan).with_reason(completeness.reason)
+            slots = gpu_slots(getattr(config, spec.section))
+            with gpu_slots_held(spec, slots), publish_cluster_job(spec):
+                result = run_task(spec, directory, plan).with_reason(completeness.reason)
     result = replace(result, stage=spec.name)  # finetune-data reports as itself, not as the data-prep code it runs
     if spec.publishes:
         publish_task(spec, result)

@@ -12,7 +12,6 @@ from d9d.flows.deployments.config import DeployConfigError, load_deploy_file
 
 COMMANDS = ("server", "serve", "deploy", "render-job")
 DEFAULT_FILE = Path("infra/prefect.yaml")
-DEFAULT_TEMPLATES = Path("infra")
 EXIT_BAD_INPUT = 2
 
 
@@ -62,14 +61,17 @@ def add_deployment_commands(commands: Any) -> None:
     render = commands.add_parser(
         "render-job",
         help="render a multi-node torchrun job for Slurm (sbatch script) or Kubernetes (indexed Job + Service)",
-        description="Render infra/slurm or infra/k8s for a ClusterJobSpec (defaults: 2 nodes x 8 GPUs).",
+        description="Render the Slurm or Kubernetes job template (shipped with d9d-flows) for a ClusterJobSpec "
+        "(defaults: 2 nodes x 8 GPUs).",
     )
     render.add_argument("kind", choices=["slurm", "kubernetes"])
     render.add_argument("--spec", type=Path, help="a YAML file of ClusterJobSpec fields (nodes, gpus_per_node, ...)")
     render.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="e.g. --set nodes=4"
     )
-    render.add_argument("--templates", type=Path, default=DEFAULT_TEMPLATES, help="the infra/ directory")
+    render.add_argument(
+        "--templates", type=Path, default=None, help="a directory of your own slurm/ and k8s/ templates"
+    )
 
 
 def run_deployment_command(args: argparse.Namespace) -> int:
@@ -120,7 +122,7 @@ def _render_job(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from d9d.core.config import load_config
-    from d9d.flows.deployments.cluster import ClusterJobSpec, render_cluster_job
+    from d9d.flows.deployments.cluster import TEMPLATES_DIR, ClusterJobSpec, render_cluster_job
 
     try:
         spec = load_config(ClusterJobSpec, args.spec, args.overrides)
@@ -130,7 +132,7 @@ def _render_job(args: argparse.Namespace) -> int:
             for problem in error.errors(include_url=False)
         ]
         raise DeployConfigError("invalid cluster job spec: " + "; ".join(problems)) from None
-    sys.stdout.write(render_cluster_job(args.kind, spec, templates=args.templates))
+    sys.stdout.write(render_cluster_job(args.kind, spec, templates=args.templates or TEMPLATES_DIR))
     return 0
 
 

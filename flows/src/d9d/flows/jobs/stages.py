@@ -12,6 +12,7 @@ from d9d.flows.jobs.data_prep.stage import SPEC as DATA_PREP
 from d9d.flows.jobs.evaluate.stage import SPEC as EVALUATE
 from d9d.flows.jobs.finetune.data import SPEC as FINETUNE_DATA
 from d9d.flows.jobs.finetune.stage import SPEC as FINETUNE
+from d9d.flows.jobs.launchers.checks import check_launcher
 from d9d.flows.jobs.pretrain.stage import SPEC as PRETRAIN
 from d9d.flows.jobs.stage_spec import PreflightError, StageSpec
 
@@ -45,4 +46,5 @@ def preflight(config: JobConfig, names: Sequence[str]) -> None:
         # Refuses a stage output that would replace what the stage did not write (unless `replace_outputs`).
         StageDirectory(spec.output(config), replace=config.replace_outputs).refuse_foreign()
         spec.preflight(config)
+        check_launcher(spec.section, getattr(config, spec.section), spec.output(config))
         require_inputs(config, spec, running=names[:index])

@@ -17,7 +17,8 @@ from pydantic import BaseModel, Field
 from d9d.core.loop import CheckpointingConfig, TrainerConfig
 from d9d.core.lr import AnyLRScheduleConfig, ConstantScheduleConfig, build_lr_schedule
 from d9d.core.optim import AdamWConfig, AnyOptimizerConfig
-from d9d.flows.jobs.launch import LaunchSpec, launch
+from d9d.flows.jobs.launch import LaunchSpec
+from d9d.flows.jobs.launchers import AnyLauncherConfig, LocalLauncherConfig, build_launcher
 from d9d.flows.jobs.progress import Progress
 from d9d.flows.jobs.rank_failure import rank_errors
 from d9d.flows.jobs.stage_spec import PreflightError
@@ -44,6 +45,9 @@ class LaunchedStageConfig(RankTopology):
     output: Path | None = Field(default=None, description="default: <workdir>/<stage>")
     retries: int = Field(default=0, ge=0)
     retry_delay_seconds: float = Field(default=10.0, ge=0)
+    launcher: AnyLauncherConfig = Field(
+        default_factory=LocalLauncherConfig, description="where the ranks run: local (torchrun here), slurm, kubernetes"
+    )
 
     def key_config(self) -> dict[str, Any]:
         """The fields that change what is computed: every field but the ones above. Fields added since a stage's
@@ -122,7 +126,8 @@ class TrainingRun:
 def launch_training(
     module: str, job: BaseModel, settings: LaunchedStageConfig, root: Path, progress: Progress, *, name: str
 ) -> TrainingRun:
-    """Write `job` to `root/job.yaml` and run `module` on it on `nproc_per_node` ranks, logging into `root`."""
+    """Write `job` to `root/job.yaml` and run `module` on it on `nproc_per_node` ranks (per node, with the launcher
+    the section names), logging into `root`."""
     job_file = root / JOB_FILE
     job_file.write_text(yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False), encoding="utf-8")
     spec = LaunchSpec(
@@ -137,7 +142,8 @@ def launch_training(
     failed = True
     try:
         with rank_errors(spec.log_file, lambda cause: f"{name}: a rank failed:\n{cause}"):
-            launch(spec, on_progress=tracker)
+            launcher = build_launcher(settings.launcher, settings, name=name)
+            launcher.run(spec, on_progress=tracker, note=progress.note)
         failed = False
     finally:
         progress.finish(failed=failed)

@@ -41,6 +41,7 @@ def build_pipeline_schedule(
         num_layers=num_layers,
         num_microbatches=num_microbatches,
         dp_shard=ctx.degrees.dp_shard,
+        tp=ctx.degrees.tp,
     )
     rank = ctx.pp_rank
     modules = {stage.index: build_stage(stage) for stage in plan.stages_of(rank)}

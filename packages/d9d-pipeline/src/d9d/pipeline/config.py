@@ -146,12 +146,14 @@ def check_microbatches(schedule: AnyScheduleConfig, pp: int, num_microbatches: i
 
 
 def plan_pipeline(
-    config: PipelineConfig, *, pp: int, num_layers: int, num_microbatches: int, dp_shard: int = 1
+    config: PipelineConfig, *, pp: int, num_layers: int, num_microbatches: int, dp_shard: int = 1, tp: int = 1
 ) -> PipelinePlan:
     """Check a pipeline before any rank starts (a launcher calls this); raises `ValueError` naming the values.
 
     Checks: micro-batches per step that the schedule can run, a layer count every stage can get a share of (equal
-    shares when `even_split`), and no split-backward schedule with FSDP (`dp_shard > 1`, see design note 0008).
+    shares when `even_split`), and no split-backward schedule with FSDP (`dp_shard > 1`, see design note 0008) or
+    with tensor parallelism (`tp > 1` runs under FSDP, which reduces the tensor-parallel gradients of the replicated
+    norms; design note 0016).
     """
     if pp < 1:
         raise ValueError(f"pp={pp} must be at least 1")
@@ -174,6 +176,12 @@ def plan_pipeline(
         raise ValueError(
             f"schedule {kind} splits backward into input and weight gradients, which FSDP (dp_shard={dp_shard}) "
             "cannot follow yet; use gpipe, 1f1b or interleaved_1f1b with dp_shard > 1, or dp_replicate"
+        )
+    if tp > 1 and kind in SPLIT_BACKWARD_SCHEDULES:
+        raise ValueError(
+            f"schedule {kind} splits backward into input and weight gradients, which tensor parallelism (tp={tp}) "
+            "cannot follow yet: tp runs under FSDP, whose post-backward reduction fires before the weight gradients "
+            "exist; use gpipe, 1f1b or interleaved_1f1b with tp > 1"
         )
     plan = PipelinePlan(config=config, layout=layout, num_layers=num_layers)
     plan.program(num_microbatches)  # builds and validates: any schedule bug fails here, before ranks start

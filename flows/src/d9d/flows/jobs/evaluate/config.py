@@ -9,6 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from d9d.flows.jobs.launchers import AnyLauncherConfig, LocalLauncherConfig
 from d9d.flows.jobs.topology import RankTopology
 from d9d.metrics.trackers import AnyTrackerConfig, NoTrackerConfig
 from d9d.models.catalogue import AnyModelConfig
@@ -74,6 +75,10 @@ class EvaluateStageConfig(RankTopology):
         if any(not prompt for prompt in prompts):
             raise ValueError(f"evaluate.prompts={prompts} holds an empty prompt; give each some text")
         return prompts
+
+    launcher: AnyLauncherConfig = Field(
+        default_factory=LocalLauncherConfig, description="where the ranks run: local (torchrun here), slurm, kubernetes"
+    )
 
     def key_config(self, seq_len: int) -> dict[str, Any]:
         return {

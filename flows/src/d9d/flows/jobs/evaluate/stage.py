@@ -59,7 +59,8 @@ from d9d.flows.jobs.evaluate.report import (
     table_rows,
 )
 from d9d.flows.jobs.evaluation_tasks import CORPORA, HeldOutSplit, write_local_tasks
-from d9d.flows.jobs.launch import LaunchSpec, launch
+from d9d.flows.jobs.launch import LaunchSpec
+from d9d.flows.jobs.launchers import build_launcher
 from d9d.flows.jobs.pretrain.stage import CHECKPOINTS_DIR, tracker_location
 from d9d.flows.jobs.progress import Progress
 from d9d.flows.jobs.rank_failure import rank_errors
@@ -277,7 +278,7 @@ def run_evaluate_stage(plan: EvaluatePlan, partial: PartialStage, progress: Prog
     failed = True
     try:
         with rank_errors(log_file, lambda cause: f"evaluate: a rank failed:\n{cause}"):
-            launch(
+            build_launcher(plan.config.launcher, plan.config, name=STAGE_NAME).run(
                 LaunchSpec(
                     module="d9d.flows.jobs.evaluate.program",
                     args=["--suite", "--config", str(suite_file)],
@@ -286,6 +287,7 @@ def run_evaluate_stage(plan: EvaluatePlan, partial: PartialStage, progress: Prog
                     grace_seconds=plan.config.grace_seconds,
                 ),
                 on_progress=evaluated,
+                note=progress.note,
             )
         failed = False
     finally:

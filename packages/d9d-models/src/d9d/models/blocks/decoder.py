@@ -12,6 +12,8 @@ from typing import Protocol
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from d9d.models.blocks.checkpointing import CheckpointPolicy, run_layer, set_activation_checkpointing
 from d9d.models.blocks.compilation import compile_layer
@@ -75,6 +77,10 @@ class DecoderBackbone(nn.Module):
         # Set by a context-parallel plan: each rank then holds a shard of every sequence, whose positions cannot be
         # derived locally (see d9d.parallel.context.shard_batch_for_context).
         self.sequence_sharded = False
+        # Set by a tensor-parallel plan: the 1-D `tp` mesh on which the activations between blocks are `Shard(1)`
+        # DTensors (sequence parallelism). Pipeline stages hand over plain tensors, so a stage returns its rank's
+        # local sequence shard `(batch, seq / tp, hidden)` and the next stage wraps the one it receives back.
+        self.sequence_parallel_mesh: DeviceMesh | None = None
 
     def forward(
         self,
@@ -91,6 +97,8 @@ class DecoderBackbone(nn.Module):
             hidden: torch.Tensor = self.embed_tokens(input_ids)
         elif hidden_states is not None:
             hidden = hidden_states
+            if self.sequence_parallel_mesh is not None and not isinstance(hidden, DTensor):
+                hidden = DTensor.from_local(hidden, self.sequence_parallel_mesh, (Shard(1),), run_check=False)
         else:
             raise ValueError(
                 f"stage {self.stage.index} of {self.stage.count} needs hidden_states from the previous stage"
@@ -110,6 +118,8 @@ class DecoderBackbone(nn.Module):
         if self.norm is not None:
             normed: torch.Tensor = self.norm(hidden)
             return normed
+        if isinstance(hidden, DTensor):  # a stage boundary under sequence parallelism: hand over the local shard
+            return hidden.to_local()
         return hidden
 
 

@@ -78,7 +78,7 @@ def parallelize_qwen3_dense(
 
     Raises:
         ValueError: the model's shapes do not divide by `tp`, or `kind='replicate'` with `tp > 1`.
-        NotImplementedError: the topology has cp or ep above 1, or pp and tp both above 1.
+        NotImplementedError: the topology has ep above 1.
     """
     return _parallelize(model, ctx, config, DENSE, tensor_parallel or TensorParallelConfig(), context=context)
 
@@ -99,7 +99,7 @@ def parallelize_qwen3_moe(
     Raises:
         ValueError: the model's shapes do not divide by `tp`, `kind='replicate'` with `tp > 1` or `ep > 1`, or an `ep`
             that does not divide the experts.
-        NotImplementedError: the topology has ep and tp both above 1, or pp and tp both above 1.
+        NotImplementedError: the topology has ep and tp both above 1.
     """
     return _parallelize(model, ctx, config, MOE, tensor_parallel or TensorParallelConfig(), context=context)
 
@@ -116,11 +116,6 @@ def _parallelize(
     _refuse_unsupported(ctx, family)
     tp = ctx.degrees.tp
     if tp > 1:
-        if ctx.degrees.pp > 1:
-            raise NotImplementedError(
-                f"{family.name}: tp={tp} with pp={ctx.degrees.pp} is not supported yet: stage boundaries would carry "
-                "sequence-sharded DTensors the pipeline does not send; use pp=1 with tp, or tp=1 with pp."
-            )
         if isinstance(config, ReplicateConfig):
             raise ValueError(
                 f"{family.name}: kind='replicate' with tp={tp} is not supported: FSDP reduces the tensor-parallel "

@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from d9d.models.blocks.decoder import DecoderBackbone
 from d9d.models.qwen3.params import Qwen3DenseParameters, Qwen3MoeParameters
 from d9d.models.roles import Role
 from d9d.parallel import ByName, ByRole, ModuleSelector, select_modules
@@ -141,6 +142,9 @@ def apply_qwen3_tensor_parallel(
                 if isinstance(module, TokenSharded):  # an MoE block: loads and aux losses span the tp shards
                     module.token_shard_group = mesh.get_group()
     _check_covered(model, local_regions)
+    for module in model.modules():
+        if isinstance(module, DecoderBackbone):  # pipeline stages hand over their sequence shard (see there)
+            module.sequence_parallel_mesh = mesh
     if config.async_tp:
         enable_async_tp(mesh)
 

@@ -10,6 +10,14 @@ gradients) to the parameters. An intermediate may also sit downstream of another
 flows into it by its captured gradient, so nothing is counted twice. Custom `autograd.Function`s need no change:
 they run in both passes and may compute both halves (correct, only slower); those that read
 `current_backward_phase()` skip the half nobody uses.
+
+Graph ownership: the executor drops a stage's outputs once `I` has run, so the work must own the graph itself. The
+Python object of a built-in node owns its C++ node. That of a custom `autograd.Function` node (every Triton kernel,
+the chunked loss, the MoE aux-loss attachment) holds it only through a `weak_ptr` in torch 2.11, the GPU image's
+version (2.13 made it an owning pointer): with nothing else holding the graph, `W` met a freed node ("Attribute
+'register_prehook' is invalid for this instance of _C._FunctionBase"). `WeightGradientWork.graph_owners` holds each
+output's built-in node, or the output itself when its node is a custom one; everything the weight pass visits hangs
+below those. That keeps no more than `W` needs anyway: the topmost intermediate reaches almost every node of a stage.
 """
 
 from __future__ import annotations
@@ -58,6 +66,21 @@ class WeightGradientWork:
     grads: list[torch.Tensor] = field(default_factory=list)
     replace: dict[Node, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
     whole: bool = False  # a first stage: the weight pass is an ordinary backward (every gradient is used)
+    graph_owners: list[object] = field(default_factory=list)  # keep the nodes above alive until `W` (module doc)
+
+
+# The node class of every custom `autograd.Function` (and of custom ops' autograd); typed `type` because torch's
+# stubs declare it unrelated to `Node`, which it is at run time.
+_CUSTOM_FUNCTION_NODE: type = torch.autograd.function.BackwardCFunction
+
+
+def _graph_owner(tensor: torch.Tensor) -> object:
+    """What keeps `tensor`'s autograd graph alive: its node when that is a built-in one (its Python object owns the
+    C++ node), the tensor itself otherwise (a custom function's node object does not own it in torch 2.11)."""
+    node = tensor.grad_fn
+    if node is None or isinstance(node, _CUSTOM_FUNCTION_NODE):
+        return tensor
+    return node
 
 
 def backward_input(
@@ -70,7 +93,7 @@ def backward_input(
     roots = [node for node in map(_node_of, outputs) if node is not None]
     input_nodes = {node for node in map(_node_of, inputs) if node is not None}
     param_nodes = {node for node in map(_node_of, params) if node is not None}
-    work = WeightGradientWork()
+    work = WeightGradientWork(graph_owners=[_graph_owner(tensor) for tensor in outputs])
     if not input_nodes:  # a first stage: no input gradient; the weight pass is the whole backward
         work.whole = True
         work.edges = [GradientEdge(node, tensor.output_nr) for tensor in outputs if (node := _node_of(tensor))]
@@ -148,3 +171,4 @@ def backward_weight(work: WeightGradientWork, params: Sequence[torch.Tensor]) ->
     work.edges.clear()
     work.grads.clear()
     work.replace.clear()
+    work.graph_owners.clear()

@@ -1,0 +1,85 @@
+"""pp=2 x tp=2 (4 gloo ranks): tiny Qwen3 dense and Qwen3-MoE (router z-loss; each tp rank's load-balancing loss
+is its sequence shard's, see `AUX_LOSSES`), pipelined with tensor + sequence parallelism in every
+stage, trained 10 steps with 8 one-row micro-batches through the core Trainer, equal single-process training on
+the same global batch. Each tp rank sends its sequence shard `(1, seq / 2, hidden)` to the same tp rank of the next
+stage; tp runs under FSDP over a data-parallel mesh of one (FSDP reduces the replicated norms' tensor-parallel
+gradients).
+
+Tolerances (float32): besides the pipeline's reordering (see test_pipeline_parity.py), tensor parallelism sums in
+another order (vocabulary-parallel log-sum-exp, row-parallel reduce-scatters, the norm over tp shards), a few ulps
+per op that AdamW's normalisation carries into the parameters, as in tests/parallel/test_tensor_parallel_trainer.py.
+Asserted: loss 2e-5 and grad norm 1e-5 relative, parameters 2e-5 absolute; measured worst (printed) is in
+docs/parallelism.md.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from pipeline_workload import all_ranks_max, build_meta, context, max_param_error, max_relative, pipelined_run
+from pipeline_workload import shared_reference as reference_of
+from test_pipeline_parity import SCHEDULES
+from torch.distributed.tensor import DTensor
+
+from d9d.core.dist import DistributedContext
+from d9d.models import materialize_
+from d9d.models.qwen3 import parallelize_qwen3_dense
+from d9d.parallel import FsdpConfig
+from d9d.pipeline import PipelineConfig, PipelineStage, plan_pipeline
+
+STEPS, ROWS = 10, 8
+LOSS_RTOL, NORM_RTOL, PARAM_ATOL = 2e-5, 1e-5, 2e-5
+
+
+def _check(ctx: DistributedContext, schedule: str) -> None:
+    layout = f"pp={ctx.degrees.pp} x dp_shard={ctx.degrees.dp_shard} x tp={ctx.degrees.tp}"
+    for family in ("dense", "moe_z_loss"):
+        config = PipelineConfig(schedule=SCHEDULES[schedule])
+        record = pipelined_run(ctx, family, config, steps=STEPS, global_rows=ROWS, fsdp=True)
+        reference = reference_of(family, steps=STEPS, global_rows=ROWS)
+        losses, norms = [step.losses[0] for step in reference], [step.grad_norms[0] for step in reference]
+        loss, norm = max_relative(record.losses, losses), max_relative(record.grad_norms, norms)
+        params = all_ranks_max(max_param_error(record.params, reference[-1].params))
+        if dist.get_rank() == 0:
+            print(f"{family} {schedule} {layout}: loss {loss:.1e} norm {norm:.1e} params {params:.1e}")
+        assert loss < LOSS_RTOL, (record.losses, losses)
+        assert norm < NORM_RTOL, (record.grad_norms, norms)
+        assert params < PARAM_ATOL
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
+@pytest.mark.distributed(world_size=4, timeout=600)
+def test_pp2_tp2_matches_single_process(schedule):
+    _check(context(pp=2, tp=2), schedule)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed(world_size=8, timeout=900)
+def test_pp2_tp2_dp2_matches_single_process():
+    """pp=2 x dp_shard=2 x tp=2 on 8 ranks, 1F1B: FSDP shards each tp shard over the 2 data ranks, which take 4 of
+    the 8 micro-batches each; the same tolerances."""
+    _check(context(pp=2, dp_shard=2, tp=2), "1f1b")
+
+
+@pytest.mark.distributed(world_size=4, timeout=300)
+def test_a_tp_stage_holds_a_tp_share_and_hands_over_its_sequence_shard():
+    """What tp buys inside a pipeline: each tensor-parallel weight's local shard is 1/tp of it, and the tensor a
+    stage hands the next stage is this rank's half of the sequence, not the whole one."""
+    ctx = context(pp=2, tp=2)
+    stage = PipelineStage(0, 2)
+    module = build_meta("dense", stage)
+    parallelize_qwen3_dense(module, ctx, FsdpConfig())
+    materialize_(module, ctx.device)
+    q_proj = module.get_parameter("model.layers.0.self_attn.q_proj.weight")
+    assert isinstance(q_proj, DTensor)
+    assert q_proj.to_local().numel() * 2 == q_proj.numel()
+    ids = torch.randint(0, 64, (1, 8))
+    out = module(ids).hidden_states
+    assert type(out) is torch.Tensor and out.shape == (1, 4, 32)
+
+
+def test_split_backward_schedules_with_tp_are_refused_before_ranks_start():
+    for kind in ("zb_h1", "zbv", "dualpipe_v"):
+        config = PipelineConfig(schedule=SCHEDULES[kind])
+        with pytest.raises(ValueError, match=rf"schedule {kind} splits backward.*tensor parallelism \(tp=2\)"):
+            plan_pipeline(config, pp=2, num_layers=8, num_microbatches=8, tp=2)
+    plan_pipeline(PipelineConfig(schedule=SCHEDULES["1f1b"]), pp=2, num_layers=8, num_microbatches=8, tp=2)
