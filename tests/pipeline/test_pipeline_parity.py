@@ -4,8 +4,8 @@ with 8 micro-batches of one row through the core Trainer, equals single-process 
 Tolerances (float32): the pipelined step runs exactly the reference's micro-batch forwards; what differs is the
 order of float32 sums (gradients accumulated per stage, the split backward's input and weight halves, the norm
 summed over stages), a few ulps per step, which AdamW's normalised update carries into the parameters. Loss and grad
-norm within 1e-6 and 5e-6 relative, parameters within 2e-6 absolute after 10 steps: ten times the worst measured
-(loss 5e-8, grad norm 5.5e-7, parameters 2e-7 over every schedule, pp and family).
+norm within 1e-6 and 5e-6 relative, parameters within 2e-6 absolute after 10 steps: six to twenty times the worst
+measured (loss 5.1e-8, grad norm 8.1e-7, parameters 2.4e-7 over every schedule, pp and family).
 """
 
 import pytest

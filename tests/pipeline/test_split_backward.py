@@ -7,17 +7,25 @@ split pass adds the W-pass result into `.grad` once) may round differently. The 
 phase and skips the unused half in each pass; "whole" (first and last stage at once, where the weight pass is the
 entire backward) pins that it must not skip anything there."""
 
+import importlib.util
+
 import pytest
 import torch
-from pipeline_workload import HIDDEN, SEQ, VOCAB, build_meta, load_initial
+from pipeline_workload import EAGER, HIDDEN, SEQ, VOCAB, build_meta, load_initial
 
-from d9d.models import materialize_
+from d9d.kernels.grouped_mm import TritonGroupedMmConfig
+from d9d.kernels.linear_cross_entropy import TritonLinearCrossEntropyConfig
+from d9d.kernels.moe_permute import TritonMoePermuteConfig
+from d9d.kernels.rms_norm import TritonRmsNormConfig
+from d9d.kernels.rope import TritonRopeConfig
+from d9d.kernels.swiglu import TritonSwiGluConfig
+from d9d.models import DecoderConfig, materialize_
 from d9d.models.blocks.moe import aux_loss_weights
 from d9d.pipeline import PipelineStage, backward_input, backward_weight
 
 
-def _stage(family: str, index: int, count: int):
-    module = materialize_(build_meta(family, PipelineStage(index, count)), "cpu")
+def _stage(family: str, index: int, count: int, decoder: DecoderConfig = EAGER):
+    module = materialize_(build_meta(family, PipelineStage(index, count), decoder), "cpu")
     load_initial(module, family)
     weights = aux_loss_weights(module)
     if weights is not None:
@@ -103,3 +111,51 @@ def test_split_backward_through_a_custom_function_after_the_outputs_are_dropped(
     assert torch.allclose(input_grad, expected[0], atol=1e-6)  # fp32, same ops in another order: rounding only
     assert torch.allclose(weight_in.grad, expected[1], atol=1e-6)
     assert torch.allclose(weight_custom.grad, expected[2], atol=1e-6)
+
+
+TRITON = EAGER.model_copy(
+    update={
+        "rms_norm": TritonRmsNormConfig(),
+        "swiglu": TritonSwiGluConfig(),
+        "rope": TritonRopeConfig(),
+        "moe_permute": TritonMoePermuteConfig(),
+        "linear_cross_entropy": TritonLinearCrossEntropyConfig(),
+        "grouped_mm": TritonGroupedMmConfig(),
+    }
+)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.parametrize("position", ["middle", "last"])
+def test_split_backward_through_the_triton_kernels_after_the_outputs_are_dropped(position):
+    """The node types of the CUDA failure, on CPU in Triton's interpreter: every Triton kernel of a MoE stage (RMSNorm,
+    RoPE, permute, grouped matmul; the linear cross-entropy on the last stage) is a custom op whose autograd is a
+    custom `autograd.Function`, so such nodes sit between the stage input and the weights. The outputs are dropped
+    between `I` and `W` as the executor does. float32: the kernels' input and weight halves reduce in another order
+    than their full backward (a few ulps), so 1e-5."""
+    index = {"middle": 1, "last": 2}[position]
+    module = _stage("moe", index, 3, TRITON)
+    params = [param for param in module.parameters() if param.requires_grad]
+    generator = torch.Generator().manual_seed(7)
+    labels = torch.randint(0, VOCAB, (2, SEQ), generator=generator)
+    hidden = torch.randn(2, SEQ, HIDDEN, generator=generator)
+    grad_out = torch.randn(2, SEQ, HIDDEN, generator=generator)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        x = hidden.clone().requires_grad_(True)
+        out = module(None, hidden_states=x, labels=labels if position == "last" else None)
+        return (out.losses.sum(), x, None) if position == "last" else (out.hidden_states, x, grad_out)
+
+    root, x, grad = run()
+    torch.autograd.backward([root], [grad] if grad is not None else None)
+    expected = [param.grad.clone() for param in params]
+    expected_input = x.grad.clone()
+    module.zero_grad(set_to_none=True)
+
+    root, x, grad = run()
+    (input_grad,), work = backward_input([root], [grad], [x], params)
+    del root  # as the executor does: only `work` holds the graph until `W`
+    backward_weight(work, params)
+    torch.testing.assert_close(input_grad, expected_input, atol=1e-5, rtol=1e-5)
+    for param, want in zip(params, expected, strict=True):
+        torch.testing.assert_close(param.grad, want, atol=1e-5, rtol=1e-5)

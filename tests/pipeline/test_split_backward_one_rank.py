@@ -1,11 +1,11 @@
 """ZBV and DualPipeV at pp=1: both stages of the V on one rank, so the executor runs the split backward (input
 gradients, then the weight gradients deferred past later forwards) with no communication at all. They must equal
 1F1B at pp=1 (one stage, ordinary backward) on the same device with the same kernels, for 6 steps of tiny Qwen3
-dense and Qwen3-MoE with 8 micro-batches of one row (with the Triton interpreter on CPU: the MoE, which runs every
-kernel, 4 steps of 2).
+dense and Qwen3-MoE with 8 micro-batches of one row. (The Triton kernels on CPU, in Triton's interpreter, are too
+slow for a whole run: tests/pipeline/test_split_backward.py runs one stage's split backward through them.)
 
-With the Triton kernels (on CPU in Triton's interpreter, on CUDA the default backends) custom autograd Functions sit
-between the stage input and every weight, besides the chunked loss and the MoE aux-loss attachment (always). Under
+On CUDA the kernel backends are the defaults: the Triton kernels' custom autograd Functions sit between the stage
+input and every weight, besides the chunked loss and the MoE aux-loss attachment (always). Under
 torch 2.11 such a node's Python object held its C++ node only weakly, and the executor drops a stage's outputs after
 `I`: the weight pass met a freed node ("Attribute 'register_prehook' is invalid for this instance of
 _C._FunctionBase"), which `WeightGradientWork.graph_owners` now prevents. This needs one GPU, not two.
@@ -18,7 +18,6 @@ tests); on CUDA the Triton kernels reduce in other orders and blocks (1e-5, 1e-4
 test_gpu_pipeline.py).
 """
 
-import importlib.util
 import os
 
 import pytest
@@ -28,29 +27,14 @@ from test_pipeline_parity import SCHEDULES
 
 from d9d.core.dist import DistributedContext, MeshDegrees
 from d9d.core.testing import run_on_ranks
-from d9d.kernels.grouped_mm import TritonGroupedMmConfig
-from d9d.kernels.linear_cross_entropy import TritonLinearCrossEntropyConfig
-from d9d.kernels.moe_permute import TritonMoePermuteConfig
-from d9d.kernels.rms_norm import TritonRmsNormConfig
-from d9d.kernels.rope import TritonRopeConfig
-from d9d.kernels.swiglu import TritonSwiGluConfig
 from d9d.models import DecoderConfig
 from d9d.pipeline import PipelineConfig
 
+STEPS, ROWS = 6, 8
 TOLERANCES = {"cpu": (1e-6, 5e-6, 2e-6), "cuda": (1e-5, 1e-4, 1e-4)}
 KERNELS = {
     "eager": EAGER,
     "default": DecoderConfig(loss_chunk_size=5),  # every backend detected: Triton on a CUDA GPU
-    "triton": EAGER.model_copy(
-        update={
-            "rms_norm": TritonRmsNormConfig(),
-            "swiglu": TritonSwiGluConfig(),
-            "rope": TritonRopeConfig(),
-            "moe_permute": TritonMoePermuteConfig(),
-            "linear_cross_entropy": TritonLinearCrossEntropyConfig(),
-            "grouped_mm": TritonGroupedMmConfig(),
-        }
-    ),
 }
 
 
@@ -61,13 +45,11 @@ def _compare(device: str, kernels: str, schedule: str) -> list[tuple[str, float,
         torch.backends.cudnn.allow_tf32 = False
     ctx = DistributedContext.build(MeshDegrees(), device=device)  # type: ignore[arg-type]
     decoder = KERNELS[kernels]
-    interpreted = (device, kernels) == ("cpu", "triton")  # Triton's interpreter is slow: the MoE (every kernel), less
-    steps, rows = (4, 2) if interpreted else (6, 8)
     results = []
-    for family in ("moe",) if interpreted else ("dense", "moe"):
+    for family in ("dense", "moe"):
         runs = {
             name: pipelined_run(
-                ctx, family, PipelineConfig(schedule=SCHEDULES[name]), steps=steps, global_rows=rows, decoder=decoder
+                ctx, family, PipelineConfig(schedule=SCHEDULES[name]), steps=STEPS, global_rows=ROWS, decoder=decoder
             )
             for name in ("1f1b", schedule)
         }
@@ -83,19 +65,11 @@ def _compare(device: str, kernels: str, schedule: str) -> list[tuple[str, float,
     return results
 
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-
-
 @pytest.mark.parametrize("schedule", ["zbv", "dualpipe_v"])
 @pytest.mark.parametrize(
     ("device", "kernels"),
     [
         ("cpu", "eager"),
-        pytest.param(
-            "cpu",
-            "triton",
-            marks=[pytest.mark.slow, pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")],
-        ),
         pytest.param("cuda", "default", marks=pytest.mark.gpu),
     ],
 )
