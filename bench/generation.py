@@ -8,6 +8,10 @@ warm up (and compile), then `--repeats` timed runs (CUDA synchronised); a row re
 tokens/s (batch x new tokens / wall time, prefill included) and the peak allocated memory. The last column says
 how many of HF's greedy tokens ours reproduces (bf16: the two may part ways after a near-tie, then differ).
 
+Each row is printed (and flushed) as soon as it is measured. `--max-seconds` bounds the whole command: a row whose
+warm-up would start after it is skipped (said so in its row), and a row takes fewer timed runs when the budget would
+not hold them all.
+
     python bench/generation.py                          # batch 1 and 32, prompt 512, 256 new tokens, on the GPU
     python bench/generation.py --tiny --device cpu      # a seconds-long smoke run of the script itself
 """
@@ -87,10 +91,36 @@ def build_models(
     return ours, hf
 
 
-def timed(run: Callable[[], list[list[int]]], device: torch.device, repeats: int) -> tuple[float, list[list[int]]]:
+class OutOfTime(Exception):
+    """The --max-seconds budget is spent: the rows measured so far are printed; the rest are skipped."""
+
+
+class Clock:
+    """The whole command's time budget (`--max-seconds`): a configuration starts only if it is likely to finish."""
+
+    def __init__(self, max_seconds: float) -> None:
+        self.start = time.perf_counter()
+        self.max_seconds = max_seconds
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def left(self) -> float:
+        return self.max_seconds - self.elapsed()
+
+
+def timed(
+    run: Callable[[], list[list[int]]], device: torch.device, repeats: int, clock: Clock
+) -> tuple[float, list[list[int]], int]:
+    """Median seconds of `repeats` runs after a warm-up (and compilation); fewer repeats when the budget would not
+    hold them all (at least one). Returns the median, the last tokens and the repeats made."""
+    if clock.left() <= 0:
+        raise OutOfTime
     tokens = run()  # warm-up (and compilation)
-    seconds = []
+    seconds: list[float] = []
     for _ in range(repeats):
+        if seconds and clock.left() < max(seconds) * 1.2:
+            break
         if device.type == "cuda":
             torch.cuda.synchronize()
         begin = time.perf_counter()
@@ -98,7 +128,7 @@ def timed(run: Callable[[], list[list[int]]], device: torch.device, repeats: int
         if device.type == "cuda":
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - begin)
-    return statistics.median(seconds), tokens
+    return statistics.median(seconds), tokens, len(seconds)
 
 
 def agreement(ours: list[list[int]], theirs: list[list[int]]) -> float:
@@ -110,20 +140,37 @@ def agreement(ours: list[list[int]], theirs: list[list[int]]) -> float:
     return statistics.mean(fractions)
 
 
+def say(line: str) -> None:
+    print(line, flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs per row after the warm-up")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
     parser.add_argument("--tiny", action="store_true", help="a tiny model, prompt 16, 8 new tokens (smoke run)")
+    parser.add_argument(
+        "--max-seconds",
+        type=float,
+        default=360.0,
+        help="stop starting rows after this long (rows measured so far are printed as they finish)",
+    )
     args = parser.parse_args()
+    clock = Clock(args.max_seconds)
     device = torch.device(args.device)
     params, dtype = (TINY, torch.float32) if args.tiny else (ANCHOR, torch.bfloat16)
     prompt, new = (16, 8) if args.tiny else (args.prompt, args.new_tokens)
+    device_name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu"
+    say(f"# {device_name}, torch {torch.__version__}, {datetime.datetime.now(datetime.UTC):%Y-%m-%d}")
+    say(f"# prompt {prompt}, {new} new tokens, {'tiny' if args.tiny else 'dense anchor (Qwen3-0.6B shape)'}, {dtype}")
     ours, hf = build_models(params, device, dtype)
+    say(f"# models built in {clock.elapsed():.1f} s; a row: a warm-up (compiles), up to {args.repeats} timed runs")
+    say("| run | batch | generated tokens/s | seconds | timed runs | peak GiB | greedy tokens equal to HF |")
+    say("|---|---|---|---|---|---|---|")
     rows = []
     for batch in args.batches:
         ids = torch.randint(0, params.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(batch))
@@ -151,30 +198,30 @@ def main() -> None:
         for label, run in runs.items():
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            seconds, tokens = timed(run, device, args.repeats)
-            reference = tokens if reference is None else reference
+            try:
+                seconds, tokens, made = timed(run, device, args.repeats, clock)
+            except OutOfTime:
+                say(f"| {label} | {batch} | skipped: --max-seconds {args.max_seconds:.0f} spent | | | | |")
+                continue
+            if label.startswith("transformers"):
+                reference = tokens  # HF's greedy tokens: what each d9d row is compared with
             peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
-            rows.append(
-                {
-                    "run": label,
-                    "batch": batch,
-                    "tokens_per_s": batch * new / seconds,
-                    "seconds": seconds,
-                    "peak_gib": peak,
-                    "greedy_agreement_with_hf": agreement(tokens, reference),
-                }
+            row = {
+                "run": label,
+                "batch": batch,
+                "tokens_per_s": batch * new / seconds,
+                "seconds": seconds,
+                "timed_runs": made,
+                "peak_gib": peak,
+                "greedy_agreement_with_hf": agreement(tokens, reference) if reference is not None else float("nan"),
+            }
+            rows.append(row)
+            say(
+                f"| {label} | {batch} | {row['tokens_per_s']:,.0f} | {seconds:.2f} | {made} | {peak:.1f} | "
+                f"{row['greedy_agreement_with_hf']:.0%} |"
             )
-    device_name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu"
-    print(f"# {device_name}, torch {torch.__version__}, {datetime.datetime.now(datetime.UTC):%Y-%m-%d}")
-    print(f"# prompt {prompt}, {new} new tokens, {'tiny' if args.tiny else 'dense anchor (Qwen3-0.6B shape)'}, {dtype}")
-    print("| run | batch | generated tokens/s | seconds | peak GiB | greedy tokens equal to HF |")
-    print("|---|---|---|---|---|---|")
-    for row in rows:
-        print(
-            f"| {row['run']} | {row['batch']} | {row['tokens_per_s']:,.0f} | {row['seconds']:.2f} | "
-            f"{row['peak_gib']:.1f} | {row['greedy_agreement_with_hf']:.0%} |"
-        )
-    print(json.dumps(rows))
+    say(f"# done in {clock.elapsed():.0f} s")
+    say(json.dumps(rows))
 
 
 if __name__ == "__main__":

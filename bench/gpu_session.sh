@@ -87,7 +87,7 @@ for part in "$@"; do case $part in
     timeout 150 python3 -m pytest -v -p no:cacheprovider -rfE -m gpu tests/parallel tests/pipeline 2>&1 \
       | tee "$out/gpu-tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | cut -c1-200 ;;
   generation)
-    timeout 200 python3 bench/generation.py 2>&1 | tee "$out/generation.log" | grep -E "^[|#]" ;;
+    timeout 470 python3 bench/generation.py 2>&1 | tee "$out/generation.log" | grep -E "^[|#]" ;;
   kernels)
     timeout 200 python3 bench/kernels.py --json "$out/kernels.json" 2>&1 | tee "$out/kernels.log" | grep -E "^[|#]"
     for flags in "--kernels eager" "--kernels triton" "--kernels triton --compile"; do

@@ -103,6 +103,14 @@ def test_evaluate_rows_per_step_not_a_multiple_of_the_ranks(capsys):
     assert "evaluate.rows_per_step=3 is not a multiple of the data-parallel size 2 (evaluate.nproc_per_node=2" in err
 
 
+def test_evaluate_compare_with_must_be_an_evaluation_report(capsys, tmp_path):
+    (tmp_path / "not-a-report.json").write_text('{"loss": 1.0}')
+    for path, says in [("missing.json", "cannot read an evaluation report there"), ("not-a-report.json", "no 'checkp")]:
+        argv = ["run", "evaluate", "--preset", "micro", "--set", f"evaluate.compare_with={tmp_path / path}"]
+        err = _error(capsys, argv)
+        assert f"evaluate.compare_with={tmp_path / path}: " in err and says in err
+
+
 def test_a_stage_alone_needs_the_outputs_it_reads(capsys, tmp_path):
     err = _error(capsys, ["run", "evaluate", "--preset", "micro", "--set", f"workdir={tmp_path}"])
     assert f"evaluate reads the output of data-prep at {tmp_path / 'data'}, which is not complete" in err

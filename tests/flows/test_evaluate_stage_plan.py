@@ -87,3 +87,21 @@ def test_the_statistics_name_each_run_and_where_it_is(tmp_path):
         "family": "none",
         "runs": {},
     }
+
+
+def test_tasks_and_prompts_run_once_per_checkpoint_with_the_data_prep_tokenizer(tmp_path):
+    plan = _plan(tmp_path, "evaluate.limit=7", "evaluate.prompts=[Hail]")
+    suite = suite_config(plan, tmp_path / "partial", tmp_path / "partial" / "tasks")
+    downstream = suite.downstream
+    assert downstream is not None
+    assert downstream.tokenizer == tmp_path / "data" / "tokenizer.json"
+    assert downstream.tasks_dir == tmp_path / "partial" / "tasks" and downstream.limit == 7
+    assert downstream.prompts == ["Hail"] and downstream.max_length == plan.seq_len
+    # The scores do not depend on the split: only each checkpoint's first split runs them.
+    singles = {candidate.name: suite.single(candidate) for candidate in suite.candidates}
+    assert {name for name, single in singles.items() if single.downstream is not None} == {
+        "pretrain.pretrain-data", "finetune.pretrain-data",
+    }  # fmt: skip
+    assert _plan(tmp_path, "evaluate.limit=7").key.digest != _plan(tmp_path).key.digest  # in the key
+    nothing = _plan(tmp_path, "evaluate.tasks=[]", "evaluate.prompts=[]")
+    assert suite_config(nothing, tmp_path / "partial").downstream is None

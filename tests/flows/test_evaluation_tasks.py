@@ -99,3 +99,25 @@ def test_local_tasks_run_through_lm_eval_with_a_tiny_model(tmp_path, monkeypatch
         # A random model over a ~384-token vocabulary: each word costs several tokens, each ~log(384) nats.
         assert cloze["perplexity,none"] > 10.0
         assert 0.0 <= cloze["acc,none"] <= 1.0
+
+
+def test_a_jobs_tasks_come_from_the_works_its_own_data_stages_hold_out(tmp_path):
+    from d9d.flows.jobs.evaluation_tasks import HeldOutSplit
+    from d9d.flows.jobs.loading import load_job_config
+
+    job = load_job_config(preset_name="micro", overrides=[f"workdir={tmp_path}"], base=tmp_path)
+    splits = job.held_out_splits()
+    # micro: Shakespeare's first 4 works split 0.25 / seed 0 by data-prep; Milton's first 3, 0.15 / seed 11.
+    assert splits == {
+        "shakespeare": HeldOutSplit(validation_fraction=0.25, seed=0, limit=4),
+        "milton": HeldOutSplit(validation_fraction=0.15, seed=11, limit=3),
+    }
+    for corpus, split in splits.items():
+        files = embedded_files(EmbeddedCorpus(name=corpus, limit=split.limit))
+        held = {files[i].name for i in validation_documents(len(files), split.validation_fraction, split.seed)}
+        got = held_out_text(
+            corpus, validation_fraction=split.validation_fraction, split_seed=split.seed, limit=split.limit
+        )
+        assert set(got.works) == held and len(held) == 1, corpus
+    milton = held_out_text("milton", validation_fraction=0.15, split_seed=11, limit=3)
+    assert "areopagitica" in milton.works[0].lower()  # what the micro preset's comment says it holds out

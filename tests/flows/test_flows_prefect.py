@@ -16,6 +16,7 @@ from d9d.core.checkpoint import latest_complete
 from d9d.flows.cli import EXIT_BAD_INPUT, EXIT_FAILED, main
 from d9d.flows.jobs.config import JobConfig
 from d9d.flows.jobs.contract import StageManifest
+from d9d.flows.jobs.evaluate.config import DEFAULT_PROMPTS, DEFAULT_TASKS
 from d9d.flows.jobs.faults import FAULT_ENV
 from d9d.flows.jobs.presets import preset
 from d9d.models.catalogue import read_parameters
@@ -91,6 +92,21 @@ def test_pipeline_runs_then_skips_then_redoes_what_was_deleted(prefect_api, tmp_
     assert sorted(path.name for path in (tmp_path / "pretrain" / "checkpoints").iterdir()) == checkpoints
     assert StageManifest.read(tmp_path / "pretrain").created_at == pretrained
 
+    # The nightly comparison: evaluating again (other sample lengths) finds the first report in the history and
+    # shows the deltas; the same checkpoints on the same data score the same.
+    again = ["run", "evaluate", "--preset", "micro", "--set", f"workdir={tmp_path}", "--set", "replace_outputs=true"]
+    assert main([*again, "--set", "evaluate.max_new_tokens=6"]) == 0
+    out = capsys.readouterr().out
+    history = sorted((tmp_path / "evaluation-history").glob("*.json"))
+    assert len(history) == 2
+    previous = json.loads((tmp_path / "evaluation" / "evaluation.json").read_text())["previous"]
+    assert previous["path"] == str(history[0]) and previous["comparison"]["comparable"]
+    for name, compared in previous["comparison"]["checkpoints"].items():
+        assert len(compared["scores"]) == 4 + 6, name  # loss and bits/byte on 2 splits; 6 task metrics
+        assert all(abs(entry["delta"]) < 1e-6 for entry in compared["scores"].values()), name
+    assert "vs previous report     finetune vs the previous report" in out
+    assert "## Compared with the previous report" in (tmp_path / "evaluation" / "evaluation.md").read_text()
+
 
 def _check_pretrain_and_evaluate(workdir, out):
     """The first run's pretrain and evaluate outputs, its report, and the artifacts the Prefect API holds."""
@@ -145,12 +161,51 @@ def _check_pretrain_and_evaluate(workdir, out):
     _check_evaluation_runs(workdir, report, out)
     markdown = (workdir / "evaluation" / "evaluation.md").read_text()
     assert "| finetune | finetune-data |" in markdown and "| base | pretrain-data |" in markdown
+    _check_tasks_and_samples(workdir, report, markdown, out)
     with get_client(sync_client=True) as client:
         artifacts = client.read_artifacts(
             artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["evaluation-report", "evaluation-table"]))
         )
     kinds = {artifact.type for artifact in artifacts if str(workdir) in (artifact.description or "")}
     assert kinds == {"markdown", "table"}
+
+
+SPLIT = "finetune-data"
+
+
+def _check_tasks_and_samples(workdir, report, markdown, out):
+    """Base, pretrain and fine-tune side by side: loss and bits per byte on both splits, the four local tasks scored
+    by lm_eval's evaluator, greedy continuations of the prompts; the fine-tuned model beats the base on Milton."""
+    names = ["base", "pretrain", "finetune"]
+    assert list(report["tasks"]) == names and list(report["samples"]) == names
+    for name in names:
+        assert sorted(report["tasks"][name]) == sorted(DEFAULT_TASKS)
+        for task, result in report["tasks"][name].items():
+            assert result["documents"] == 40, (name, task)  # the section's limit
+            metrics = ["acc", "perplexity"] if task.startswith("d9d_cloze") else ["acc"]
+            assert sorted(result["metrics"]) == metrics and 0 <= result["metrics"]["acc"] <= 1
+        prompts = [sample["prompt"] for sample in report["samples"][name]]
+        assert prompts == list(DEFAULT_PROMPTS)
+        assert all(sample["continuation"] for sample in report["samples"][name]), name
+    # The Milton cloze word's perplexity: the fine-tuned model (pretrained on Shakespeare, LoRA on Milton) is better
+    # than the untrained base. Accuracies of models this small stay near chance and are not asserted on.
+    milton = {name: report["tasks"][name]["d9d_cloze_milton"]["metrics"]["perplexity"] for name in names}
+    assert milton["finetune"] < milton["base"], milton
+    assert report["tasks"]["finetune"]["d9d_cloze_milton"]["higher_is_better"] == {"acc": True, "perplexity": False}
+    assert "| score | base | pretrain | finetune |" in markdown
+    for score in [
+        *(f"{measure}/{split}" for measure in ("loss", "bits_per_byte") for split in ("pretrain-data", SPLIT)),
+        *(f"{task}/acc" for task in DEFAULT_TASKS),
+        "d9d_cloze_shakespeare/perplexity",
+        "d9d_cloze_milton/perplexity",
+    ]:
+        (row,) = [line for line in markdown.splitlines() if line.startswith(f"| {score} (")]
+        assert row.count("|") == 5 and "—" not in row, row  # a number for each of the three checkpoints
+    assert markdown.count("- **finetune**: …") == len(DEFAULT_PROMPTS)
+    assert f"evaluation report      {workdir / 'evaluation' / 'evaluation.md'}" in out
+    assert f"evaluation report json {workdir / 'evaluation' / 'evaluation.json'}" in out
+    assert "tasks finetune         d9d_next_line_shakespeare acc" in out
+    assert len(list((workdir / "evaluation-history").glob("*.json"))) == 1
 
 
 def _check_evaluation_runs(workdir, report, out):
@@ -173,11 +228,17 @@ def _check_evaluation_runs(workdir, report, out):
         assert hparams["run_name"] == f"evaluate {name}" == run["name"]
         (record,) = [json.loads(line) for line in (family / f"{run['run_id']}.jsonl").read_text().splitlines()]
         numbers = report["checkpoints"][checkpoint][split]
+        # The task scores go into the run of the checkpoint's first split (they do not depend on the split).
+        tasks = report["tasks"][checkpoint] if split == "pretrain-data" else {}
         assert record == {
             "step": 8 if checkpoint == "pretrain" else 0,  # a job checkpoint's step; converted/merged weights: 0
             "evaluate/loss": numbers["loss"],
             "evaluate/perplexity": numbers["perplexity"],
             "evaluate/bits_per_byte": numbers["bits_per_byte"],
+        } | {
+            f"evaluate/{task}/{metric}": value
+            for task, result in tasks.items()
+            for metric, value in result["metrics"].items()
         }
     assert f"jsonl, 6 runs (checkpoint x split): {family}" in out
 

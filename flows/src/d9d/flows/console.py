@@ -10,6 +10,7 @@ from types import TracebackType
 from typing import IO, Any
 
 from d9d.flows.jobs.contract import StageResult
+from d9d.flows.jobs.evaluate.report import verdict_line
 from d9d.flows.jobs.progress import Progress, rate
 
 
@@ -200,11 +201,32 @@ def _report_lines(results: Sequence[StageResult]) -> list[str]:
         for name, splits in result.statistics.get("checkpoints", {}).items():
             per_split = ", ".join(f"{report['bits_per_byte']:.4f} on {split}" for split, report in splits.items())
             lines.append(f"    {'bits/byte ' + name:22} {per_split}")
+        lines += _task_lines(result.statistics)
         lines += [f"    {label:22} {path}" for label, path in result.artifacts.items() if label.endswith("curve")]
+        for label in ("report", "report json"):
+            if label in result.artifacts:
+                lines.append(f"    {'evaluation ' + label:22} {result.artifacts[label]}")
     for result in results:
         if "tracker run" in result.artifacts:
             lines.append(f"    {'tracker ' + result.stage:22} {result.artifacts['tracker run']}")
     lines += [f"    {'output ' + result.stage:22} {result.output}" for result in results]
+    return lines
+
+
+def _task_lines(stats: dict[str, Any]) -> list[str]:
+    """Per checkpoint its task scores on one line, then the verdict against the previous report."""
+    lines = []
+    for name, tasks in stats.get("tasks", {}).items():
+        scores = ", ".join(
+            f"{task} {metric} {value:.4g}"
+            for task, result in tasks.items()
+            for metric, value in result["metrics"].items()
+        )
+        if scores:
+            lines.append(f"    {'tasks ' + name:22} {scores}")
+    verdict = verdict_line(stats.get("previous"))
+    if verdict:
+        lines.append(f"    {'vs previous report':22} {verdict}")
     return lines
 
 

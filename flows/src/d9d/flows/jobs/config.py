@@ -8,9 +8,10 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from d9d.flows.jobs.convert.config import ConvertConfig
-from d9d.flows.jobs.data_prep.config import DataPrepConfig, FilesCorpus, FileTokenizer
+from d9d.flows.jobs.data_prep.config import DataPrepConfig, EmbeddedCorpus, FilesCorpus, FileTokenizer
 from d9d.flows.jobs.evaluate.config import EvaluateStageConfig
 from d9d.flows.jobs.evaluate.stage import EvaluateInputs
+from d9d.flows.jobs.evaluation_tasks import HeldOutSplit
 from d9d.flows.jobs.finetune.config import FinetuneStageConfig
 from d9d.flows.jobs.finetune.data import FinetuneDataConfig
 from d9d.flows.jobs.finetune.stage import inputs_of as finetune_inputs
@@ -89,7 +90,20 @@ class JobConfig(BaseModel):
             finetune_model=finetune_inputs(self).model if finetune else None,
             finetune_validation_shards=self.finetune_data_output / "validation" if finetune else None,
             tracker=self.pretrain_tracker,
+            held_out=self.held_out_splits(),
         )
+
+    def held_out_splits(self) -> dict[str, HeldOutSplit]:
+        """Per embedded corpus this job reads, the validation works its data stage holds out: the local evaluation
+        tasks of that corpus come from those (the data-prep stage's split wins when both stages read it)."""
+        splits: dict[str, HeldOutSplit] = {}
+        for corpus, fraction, seed in (
+            (self.data_prep.corpus, self.data_prep.validation_fraction, self.data_prep.seed),
+            (self.finetune_data.corpus, self.finetune_data.validation_fraction, self.finetune_data.seed),
+        ):
+            if isinstance(corpus, EmbeddedCorpus) and corpus.name not in splits:
+                splits[corpus.name] = HeldOutSplit(validation_fraction=fraction, seed=seed, limit=corpus.limit)
+        return splits
 
     @property
     def finetune_output(self) -> Path:

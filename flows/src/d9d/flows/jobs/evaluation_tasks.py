@@ -38,15 +38,28 @@ _WORD = re.compile(r"^[A-Za-z]{3,}$")
 
 
 @dataclass(frozen=True, kw_only=True)
+class HeldOutSplit:
+    """How a stage chose its validation works from an embedded corpus (its `validation_fraction`, `seed` and the
+    corpus's `limit`): the tasks are built from those works only. The defaults are the data-prep stage's."""
+
+    validation_fraction: float = 0.05
+    seed: int = 0
+    limit: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
 class HeldOutText:
     corpus: CorpusName
     works: tuple[str, ...]
     lines: tuple[tuple[str, ...], ...]  # per work, its cleaned verse lines in order
 
 
-def held_out_text(corpus: CorpusName, *, validation_fraction: float = 0.05, split_seed: int = 0) -> HeldOutText:
-    """The works of `corpus` in the data-prep stage's validation split (each `.txt` file is one document)."""
-    files = embedded_files(EmbeddedCorpus(name=corpus))
+def held_out_text(
+    corpus: CorpusName, *, validation_fraction: float = 0.05, split_seed: int = 0, limit: int | None = None
+) -> HeldOutText:
+    """The works of `corpus` in the data-prep stage's validation split (each `.txt` file is one document), for a
+    stage that read its first `limit` works (`EmbeddedCorpus.limit`) and split them with this fraction and seed."""
+    files = embedded_files(EmbeddedCorpus(name=corpus, limit=limit))
     chosen = sorted(validation_documents(len(files), validation_fraction, split_seed))
     works = [files[index] for index in chosen]
     return HeldOutText(
@@ -144,6 +157,7 @@ def write_local_tasks(
     seed: int = 0,
     validation_fraction: float = 0.05,
     split_seed: int = 0,
+    limit: int | None = None,
 ) -> list[str]:
     """Write `<task>.jsonl` and `<task>.yaml` for both tasks of each corpus into `out_dir`; returns the task names."""
     if documents < 1:
@@ -153,7 +167,7 @@ def write_local_tasks(
     out_dir.mkdir(parents=True, exist_ok=True)
     names = []
     for corpus in corpora:
-        text = held_out_text(corpus, validation_fraction=validation_fraction, split_seed=split_seed)
+        text = held_out_text(corpus, validation_fraction=validation_fraction, split_seed=split_seed, limit=limit)
         for kind, docs, body in (
             ("next_line", next_line_documents(text, count=documents, choices=choices, seed=seed), NEXT_LINE_BODY),
             ("cloze", cloze_documents(text, count=documents, seed=seed), CLOZE_BODY),

@@ -10,7 +10,13 @@ stage writes `evaluation.json`, `evaluation.md`, `loss_curve.png` (pretrain loss
 held-out loss on the pretrain data) and `finetune_loss_curve.png` (the same for fine-tuning, on the fine-tune data).
 Each checkpoint x split is also logged as a run of the pretrain stage's tracker family (`EvaluateInputs.tracker`:
 the same JSONL/TensorBoard directory, aim experiment or wandb group), named `evaluate <checkpoint>.<split>`; the
-statistics record those runs. No Prefect here.
+statistics record those runs.
+
+Per checkpoint (not per split), the same launch scores `evaluate.tasks` with lm_eval's own evaluator through d9d's
+adapter (the project's local tasks are written into `tasks/` first, from the works the job's own data stages held
+out) and continues `evaluate.prompts` greedily. `evaluation.md` puts every number side by side (`report.py`);
+`evaluation.json` holds the same numbers, and `<output>-history/` keeps each committed one, so the next run shows its
+deltas against the previous report (`history.py`). No Prefect here.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from importlib.util import find_spec
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,9 +42,24 @@ from d9d.flows.jobs.contract import (
     StageReporter,
     StageResult,
 )
+from d9d.flows.jobs.data_prep.prepare import TOKENIZER_FILE
 from d9d.flows.jobs.degree_checks import check_topology
-from d9d.flows.jobs.evaluate.config import EvaluateCandidate, EvaluateStageConfig, EvaluateSuiteConfig
+from d9d.flows.jobs.evaluate.config import (
+    DownstreamConfig,
+    EvaluateCandidate,
+    EvaluateStageConfig,
+    EvaluateSuiteConfig,
+)
+from d9d.flows.jobs.evaluate.history import previous_report, read_report, record
 from d9d.flows.jobs.evaluate.plot import PlotUnavailable, plot_loss_curve
+from d9d.flows.jobs.evaluate.program import DOWNSTREAM_JSON
+from d9d.flows.jobs.evaluate.report import (
+    compare_reports,
+    report_markdown,
+    score_rows,
+    table_rows,
+)
+from d9d.flows.jobs.evaluation_tasks import CORPORA, HeldOutSplit, write_local_tasks
 from d9d.flows.jobs.launch import LaunchSpec
 from d9d.flows.jobs.launchers import build_launcher
 from d9d.flows.jobs.pretrain.stage import CHECKPOINTS_DIR, tracker_location
@@ -51,7 +74,7 @@ if TYPE_CHECKING:
     from d9d.flows.jobs.config import JobConfig
 
 STAGE_NAME = "evaluate"
-STAGE_VERSION = 2  # 2: checkpoints x splits, the fine-tuned checkpoint
+STAGE_VERSION = 3  # 2: checkpoints x splits, the fine-tuned checkpoint; 3: lm-eval tasks, samples, history
 RECORDED_PACKAGES = ("d9d-core", "d9d-models", "d9d-flows", "torch")
 SUITE_FILE = "suite.yaml"
 LOG_FILE = "launch.log"
@@ -62,6 +85,8 @@ FINETUNE_LOSS_CURVE = "finetune_loss_curve.png"
 PRETRAIN_SPLIT = "pretrain-data"
 FINETUNE_SPLIT = "finetune-data"
 MERGED_DIR = "merged"  # the fine-tune stage's merged weights (d9d-layout safetensors)
+TASKS_DIR = "tasks"  # the local lm-eval tasks' data (JSON lines) and task YAMLs, written for this run
+LOCAL_TASK_KINDS = ("next_line", "cloze")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,6 +104,9 @@ class EvaluateInputs:
     finetune_validation_shards: Path | None = None
     # The pretrain stage's tracker as it resolved it: evaluations join the training run's family. Not in the key.
     tracker: AnyTrackerConfig = field(default_factory=NoTrackerConfig)
+    # Per embedded corpus a data stage of the job read: which of its works that stage held out. The local tasks of
+    # that corpus are built from those works only (a corpus the job never read: the data-prep defaults).
+    held_out: Mapping[str, HeldOutSplit] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,9 +122,13 @@ class EvaluatePlan:
 
     @property
     def candidates(self) -> tuple[EvaluateCandidate, ...]:
-        """Every checkpoint on every split, each reporting into `<checkpoint>.<split>/`."""
+        """Every checkpoint on every split, each reporting into `<checkpoint>.<split>/`; the first split's candidate
+        of each checkpoint also scores the tasks and prompts (they do not depend on the split)."""
+        first = next(iter(self.splits))
         return tuple(
-            checkpoint.model_copy(update={"name": f"{checkpoint.name}.{split}", "shards": shards})
+            checkpoint.model_copy(
+                update={"name": f"{checkpoint.name}.{split}", "shards": shards, "downstream": split == first}
+            )
             for checkpoint in self.checkpoints
             for split, shards in self.splits.items()
         )
@@ -172,23 +204,63 @@ def plan_evaluate(config: EvaluateStageConfig, inputs: EvaluateInputs, output: P
     )
 
 
-def suite_config(plan: EvaluatePlan, root: Path) -> EvaluateSuiteConfig:
+def local_task_corpora(tasks: list[str]) -> list[str]:
+    """The embedded corpora whose local tasks (`d9d_<kind>_<corpus>`) `tasks` names."""
+    wanted = {f"d9d_{kind}_{corpus}": corpus for kind in LOCAL_TASK_KINDS for corpus in CORPORA}
+    return sorted({wanted[task] for task in tasks if task in wanted})
+
+
+def write_tasks(plan: EvaluatePlan, root: Path) -> Path | None:
+    """The local tasks that `evaluate.tasks` names, from the works the job's data stages held out (None: none)."""
+    corpora = local_task_corpora(plan.config.tasks)
+    if not corpora:
+        return None
+    directory = root / TASKS_DIR
+    for corpus in corpora:
+        split = plan.inputs.held_out.get(corpus, HeldOutSplit())
+        write_local_tasks(
+            directory,
+            corpora=[corpus],  # type: ignore[list-item]  # a CorpusName: local_task_corpora only returns those
+            documents=plan.config.limit or 200,
+            validation_fraction=split.validation_fraction,
+            split_seed=split.seed,
+            limit=split.limit,
+        )
+    return directory
+
+
+def suite_config(plan: EvaluatePlan, root: Path, tasks_dir: Path | None = None) -> EvaluateSuiteConfig:
     """The rank program's config: every checkpoint on every split, reporting into `root/<checkpoint>.<split>/` and
-    logging into the pretrain stage's tracker family."""
+    logging into the pretrain stage's tracker family; tasks (local ones from `tasks_dir`) and prompts per
+    checkpoint."""
+    config = plan.config
+    downstream = None
+    if config.tasks or config.prompts:
+        downstream = DownstreamConfig(
+            tokenizer=plan.inputs.data_manifest / TOKENIZER_FILE,
+            tasks=config.tasks,
+            tasks_dir=tasks_dir,
+            limit=config.limit,
+            batch_size=config.task_batch_size,
+            max_length=plan.seq_len,
+            prompts=config.prompts,
+            max_new_tokens=config.max_new_tokens,
+        )
     return EvaluateSuiteConfig(
-        stage=plan.config,
+        stage=config,
         candidates=list(plan.candidates),
         shards=plan.inputs.validation_shards,
         seq_len=plan.seq_len,
         output=root,
         tracker=plan.inputs.tracker,
+        downstream=downstream,
     )
 
 
 def run_evaluate_stage(plan: EvaluatePlan, partial: PartialStage, progress: Progress) -> dict[str, Any]:
     """Evaluate every checkpoint on every split in one launch, then write the reports and the loss curves."""
     candidates = plan.candidates
-    suite = suite_config(plan, partial.root)
+    suite = suite_config(plan, partial.root, write_tasks(plan, partial.root))
     suite_file = partial.root / SUITE_FILE
     suite_file.write_text(yaml.safe_dump(suite.model_dump(mode="json"), sort_keys=False), encoding="utf-8")
     run_ids: dict[str, str] = {}
@@ -226,8 +298,18 @@ def run_evaluate_stage(plan: EvaluatePlan, partial: PartialStage, progress: Prog
     }
     notes = list(plan.notes)
     curves = _draw_curves(plan, reports, partial.root, notes)
+    first = next(iter(plan.splits))
+    downstream = {
+        checkpoint.name: json.loads((partial.root / f"{checkpoint.name}.{first}" / DOWNSTREAM_JSON).read_text("utf-8"))
+        for checkpoint in plan.checkpoints
+        if suite.downstream is not None
+    }
     summary: dict[str, Any] = {
+        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "checkpoints": reports,
+        "tasks": {name: result["tasks"] for name, result in downstream.items()},
+        "samples": {name: result["samples"] for name, result in downstream.items()},
+        "max_new_tokens": plan.config.max_new_tokens,
         "splits": {split: str(shards) for split, shards in plan.splits.items()},
         "comparison": comparison(reports),
         "notes": notes,
@@ -235,9 +317,23 @@ def run_evaluate_stage(plan: EvaluatePlan, partial: PartialStage, progress: Prog
         "validation_tokens": {split: _tokens(reports, split) for split in plan.splits},
         "tracker": tracker_runs(plan.inputs.tracker, run_ids),
     }
+    summary["previous"] = _previous(plan, summary)
     (partial.root / REPORT_JSON).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     (partial.root / REPORT_MARKDOWN).write_text(report_markdown(summary), encoding="utf-8")
     return summary
+
+
+def _previous(plan: EvaluatePlan, summary: dict[str, Any]) -> dict[str, Any] | None:
+    """The comparison with the previous report (`evaluate.compare_with`, else the newest in the history)."""
+    found = previous_report(plan.output, plan.config.compare_with)
+    if found is None:
+        return None
+    path, previous = found
+    return {
+        "path": str(path),
+        "created_at": previous.get("created_at", path.stem),
+        "comparison": compare_reports(summary, previous),
+    }
 
 
 def tracker_runs(tracker: AnyTrackerConfig, run_ids: dict[str, str]) -> dict[str, Any]:
@@ -285,52 +381,8 @@ def _tokens(reports: dict[str, dict[str, Any]], split: str) -> int:
     return max((int(splits[split]["tokens"]) for splits in reports.values()), default=0)
 
 
-def report_markdown(summary: dict[str, Any]) -> str:
-    lines = [
-        "# Evaluation",
-        "",
-        "| checkpoint | split | loss | perplexity | bits per byte | tokens |",
-        "|---|---|---|---|---|---|",
-    ]
-    lines += [
-        f"| {row['checkpoint']} | {row['split']} | {row['loss']:.4f} | {row['perplexity']:.2f} "
-        f"| {row['bits_per_byte']:.4f} | {row['tokens']:,} |"
-        for row in table_rows(summary)
-    ]
-    verdict = comparison_line(summary.get("comparison"))
-    lines += ["", *([verdict, ""] if verdict else []), *[f"- {note}" for note in summary["notes"]], ""]
-    return "\n".join(lines)
-
-
-def comparison_line(compared: dict[str, Any] | None) -> str | None:
-    if not compared:
-        return None
-    verdict = "lower" if compared["lower"] else "NOT lower"
-    return (
-        f"fine-tuned vs pretrained held-out loss on {compared['split']}: {compared['finetune']:.4f} vs "
-        f"{compared['pretrain']:.4f} ({verdict})"
-    )
-
-
-def table_rows(statistics: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per checkpoint and split, for a table artifact."""
-    return [
-        {
-            "checkpoint": name,
-            "split": split,
-            "loss": round(float(report["loss"]), 4),
-            "perplexity": round(float(report["perplexity"]), 2),
-            "bits_per_byte": round(float(report["bits_per_byte"]), 4),
-            "tokens": int(report["tokens"]),
-            "path": report["checkpoint"],
-        }
-        for name, splits in statistics.get("checkpoints", {}).items()
-        for split, report in splits.items()
-    ]
-
-
 def _artifacts(output: Path, statistics: Mapping[str, Any]) -> dict[str, str]:
-    artifacts = {"report": str(output / REPORT_MARKDOWN)}
+    artifacts = {"report": str(output / REPORT_MARKDOWN), "report json": str(output / REPORT_JSON)}
     for name in statistics.get("loss_curves", []):
         artifacts["loss curve" if name == LOSS_CURVE else "fine-tune curve"] = str(output / name)
     tracker = statistics.get("tracker")
@@ -349,6 +401,10 @@ def commit(
     files = [SUITE_FILE, LOG_FILE, REPORT_JSON, REPORT_MARKDOWN, *statistics.get("loss_curves", [])]
     for candidate in plan.candidates:
         files += [f"{candidate.name}/{REPORT_JSON}", f"{candidate.name}/{REPORT_MARKDOWN}"]
+        if candidate.downstream and (partial.root / candidate.name / DOWNSTREAM_JSON).is_file():
+            files.append(f"{candidate.name}/{DOWNSTREAM_JSON}")
+    # The tasks' documents (what was scored); their YAMLs name this partial directory's path and are pruned.
+    files += sorted(f"{TASKS_DIR}/{path.name}" for path in (partial.root / TASKS_DIR).glob("*.jsonl"))
     return REPORTER.commit(directory, partial, plan.key, plan.output, outputs=files, statistics=statistics)
 
 
@@ -367,6 +423,24 @@ def preflight(config: JobConfig) -> None:
             f"(evaluate.nproc_per_node={section.nproc_per_node}, {degrees.describe()}); every data-parallel rank "
             "evaluates the same number of rows per step"
         )
+    parallel = {name: value for name in ("tp", "cp", "pp") if (value := getattr(degrees, name)) > 1}
+    if parallel and (section.tasks or section.prompts):
+        raise PreflightError(
+            f"evaluate.tasks and evaluate.prompts (task scores and sample continuations) run on whole models, not "
+            f"under {', '.join(f'{name}={value}' for name, value in parallel.items())}: set evaluate.tasks=[] and "
+            "evaluate.prompts=[] to evaluate held-out loss alone with these degrees, or evaluate with data "
+            "parallelism only"
+        )
+    if section.tasks and find_spec("lm_eval") is None:
+        raise PreflightError(
+            f"evaluate.tasks={section.tasks} are scored with lm-evaluation-harness, which is not installed; "
+            "install it with `pip install 'd9d-models[eval]'`, or set evaluate.tasks=[]"
+        )
+    if section.compare_with is not None:
+        try:
+            read_report(section.compare_with)
+        except ValueError as error:
+            raise PreflightError(str(error)) from error
 
 
 def reads(config: JobConfig) -> dict[str, Path]:
@@ -378,7 +452,9 @@ def reads(config: JobConfig) -> dict[str, Path]:
 
 def _run(plan: EvaluatePlan, directory: StageDirectory, progress: Progress) -> StageResult:
     partial = directory.open_partial(plan.key)
-    return commit(directory, partial, plan, run_evaluate_stage(plan, partial, progress))
+    result = commit(directory, partial, plan, run_evaluate_stage(plan, partial, progress))
+    record(plan.output, result.statistics)  # after the commit: the history only names reports that exist
+    return result
 
 
 def artifacts(result: StageResult) -> list[Artifact]:
@@ -391,13 +467,21 @@ def artifacts(result: StageResult) -> list[Artifact]:
             rows=table_rows(result.statistics),
             description=f"held-out loss per checkpoint and split, {result.output}",
         ),
+        TableArtifact(
+            key="evaluation-scores",
+            rows=score_rows(result.statistics),
+            description=f"every score per checkpoint (held-out data and tasks), {result.output}",
+        ),
     ]
 
 
 SPEC: StageSpec[EvaluatePlan] = StageSpec(
     name=STAGE_NAME,
     section="evaluate",
-    summary="held-out loss, perplexity and bits per byte of each checkpoint into <workdir>/evaluation",
+    summary=(
+        "held-out loss, perplexity and bits per byte, lm-eval task scores and sample continuations of each "
+        "checkpoint into <workdir>/evaluation"
+    ),
     reads=reads,
     output=lambda config: config.evaluate_output,
     preflight=preflight,
