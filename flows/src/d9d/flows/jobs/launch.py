@@ -203,6 +203,18 @@ def _pump(
     reader.join(timeout=5)
 
 
+def redeliver_signal(signum: int, previous: Any) -> None:
+    """Hand `signum`, caught while a launch was stopped, to `previous`, the handler installed before (Prefect's, the
+    CLI's, or the default action: KeyboardInterrupt for SIGINT, the signal itself otherwise)."""
+    if callable(previous):
+        previous(signum, None)
+    elif previous == signal.SIG_DFL and signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    elif previous == signal.SIG_DFL:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+
 class _Stopper:
     """Tracks torchrun's process tree and stops all of it: SIGTERM first, SIGKILL after the grace period."""
 
@@ -235,14 +247,7 @@ class _Stopper:
     def redeliver(self) -> None:
         """Hand the stop signal to the handler that was there before (Prefect's, the CLI's, or the default)."""
         assert self.signum is not None
-        previous = self._previous.get(self.signum)
-        if callable(previous):
-            previous(self.signum, None)
-        elif previous == signal.SIG_DFL and self.signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        elif previous == signal.SIG_DFL:
-            signal.signal(self.signum, signal.SIG_DFL)
-            os.kill(os.getpid(), self.signum)
+        redeliver_signal(self.signum, self._previous.get(self.signum))
 
     # The process tree ------------------------------------------------------------------------------------------
 

@@ -4,7 +4,6 @@ of a cluster job (its id, nodes and log) to whoever shows it (the Prefect flow p
 from __future__ import annotations
 
 import json
-import os
 import signal
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -15,7 +14,7 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Any, Protocol
 
-from d9d.flows.jobs.launch import PROGRESS_PREFIX, LaunchSpec
+from d9d.flows.jobs.launch import PROGRESS_PREFIX, LaunchSpec, redeliver_signal
 
 ProgressCallback = Callable[[dict[str, Any]], None]
 LineCallback = Callable[[str], None]
@@ -164,11 +163,4 @@ class StopSignals:
     def redeliver(self) -> None:
         """Hand the recorded signal to the handler that was there before (Prefect's, the CLI's, or the default)."""
         assert self.signum is not None
-        previous = self._previous.get(self.signum)
-        if callable(previous):
-            previous(self.signum, None)
-        elif previous == signal.SIG_DFL and self.signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        elif previous == signal.SIG_DFL:
-            signal.signal(self.signum, signal.SIG_DFL)
-            os.kill(os.getpid(), self.signum)
+        redeliver_signal(self.signum, self._previous.get(self.signum))

@@ -13,10 +13,11 @@ checkpoints. No Prefect here.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
+from d9d.flows.jobs.launch import STACKS_ENV, LaunchSpec
 from d9d.flows.jobs.launchers.cluster_job import (
     ENV_NAME_PATTERN,
     IMAGE_PATTERN,
@@ -96,6 +97,23 @@ class _ClusterLauncherConfig(BaseModel):
 
     def slots(self, topology: RankTopology) -> int:
         return self.nodes * self.gpus(topology)
+
+    def common_job_fields(self, topology: RankTopology, spec: LaunchSpec) -> dict[str, Any]:
+        """The job values every cluster launcher takes alike from this config and the stage's launch (the rest, a
+        name, how secrets travel and the cluster's own fields, each launcher adds)."""
+        return {
+            "nodes": self.nodes,
+            "gpus_per_node": self.gpus(topology),
+            "ranks_per_node": spec.nproc_per_node,
+            "cpus_per_node": self.cpus_per_node,
+            "memory": self.memory,
+            "module": spec.module,
+            "args": tuple(spec.args),
+            "shared_dir": self.shared_dir,
+            "rdzv_port": self.rdzv_port,
+            "env": {STACKS_ENV: str(spec.log_file.parent / "stacks"), **spec.env, **self.env},
+            "stop_grace_seconds": self.stop_grace_seconds,
+        }
 
 
 class SlurmLauncherConfig(_ClusterLauncherConfig):

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from d9d.flows.jobs.launch import STACKS_ENV, LaunchCancelled, LaunchError, LaunchSpec
+from d9d.flows.jobs.launch import LaunchCancelled, LaunchError, LaunchSpec
 from d9d.flows.jobs.launchers.base import (
     ClusterJob,
     LineCallback,
@@ -160,19 +160,9 @@ class KubernetesLauncher:
     def job_spec(self, spec: LaunchSpec, name: str) -> ClusterJobSpec:
         config = self.config
         return ClusterJobSpec(
+            **config.common_job_fields(self.topology, spec),
             name=name,
-            nodes=config.nodes,
-            gpus_per_node=config.gpus(self.topology),
-            ranks_per_node=spec.nproc_per_node,
-            cpus_per_node=config.cpus_per_node,
-            memory=config.memory,
-            module=spec.module,
-            args=tuple(spec.args),
-            shared_dir=config.shared_dir,
-            rdzv_port=config.rdzv_port,
-            env={STACKS_ENV: str(spec.log_file.parent / "stacks"), **spec.env, **config.env},
             secret_env=config.secret_env,
-            stop_grace_seconds=config.stop_grace_seconds,
             image=config.image,
             namespace=config.namespace,
             shared_claim=config.shared_claim,

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from d9d.flows.jobs.launch import STACKS_ENV, LaunchCancelled, LaunchError, LaunchSpec
+from d9d.flows.jobs.launch import LaunchCancelled, LaunchError, LaunchSpec
 from d9d.flows.jobs.launchers.base import (
     ClusterJob,
     FileFollower,
@@ -114,22 +114,11 @@ class SlurmLauncher:
     def job_spec(self, spec: LaunchSpec) -> ClusterJobSpec:
         """The sbatch script's values for `spec`: the stage's module and arguments on `nodes` x `nproc_per_node`."""
         config = self.config
-        stacks = spec.log_file.parent / "stacks"
         return ClusterJobSpec(
+            **config.common_job_fields(self.topology, spec),
             name=f"d9d-{self.name}",
-            nodes=config.nodes,
-            gpus_per_node=config.gpus(self.topology),
-            ranks_per_node=spec.nproc_per_node,
-            cpus_per_node=config.cpus_per_node,
-            memory=config.memory,
-            module=spec.module,
-            args=tuple(spec.args),
-            shared_dir=config.shared_dir,
-            rdzv_port=config.rdzv_port,
-            env={STACKS_ENV: str(stacks), **spec.env, **config.env},
             # On Slurm only the names matter: the script requires them from the environment that runs sbatch.
             secret_env={name: SecretRef(secret=SUBMIT_ENVIRONMENT, key=name) for name in config.secret_env},
-            stop_grace_seconds=config.stop_grace_seconds,
             partition=config.partition,
             account=config.account,
             time_limit=config.time_limit,
