@@ -4,4 +4,5 @@ import sys
 
 from d9d.flows.entry import main
 
-sys.exit(main())
+if __name__ == "__main__":  # guarded: tools that walk the package import every module
+    sys.exit(main())
