@@ -41,15 +41,16 @@ def check_topology(
     """
     degrees = _resolve(section, topology)
     _check_pairs(section, degrees)
+    _check_replicate(section, topology, degrees)
     if degrees.tp > 1:
-        _check_tensor(section, topology, model, degrees, seq_len)
+        _check_tensor(section, model, degrees, seq_len)
     if degrees.cp > 1:
         try:
             check_context_parallel(seq_len, degrees)
         except ValueError as error:
             raise PreflightError(f"{section}.degrees.cp={degrees.cp} does not fit seq_len={seq_len}: {error}") from None
     if degrees.ep > 1:
-        _check_experts(section, topology, model, degrees)
+        _check_experts(section, model, degrees)
     if degrees.pp > 1 and microbatches_per_step is not None:
         _check_pipeline(section, topology, model, degrees, microbatches_per_step)
     return degrees
@@ -75,14 +76,26 @@ def _check_pairs(section: str, degrees: MeshDegrees) -> None:
             )
 
 
-def _check_tensor(
-    section: str, topology: RankTopology, model: AnyModelConfig, degrees: MeshDegrees, seq_len: int
-) -> None:
-    if isinstance(topology.data_parallel, ReplicateConfig):
-        raise PreflightError(
-            f"{section}.data_parallel.kind=replicate with {section}.degrees.tp={degrees.tp} is not supported (FSDP "
-            f"reduces the tensor-parallel gradients of the replicated norms); use kind=fsdp or kind=hsdp"
-        )
+# Why each degree needs FSDP or HSDP rather than `replicate` data parallelism.
+_NOT_WITH_REPLICATE = {
+    "tp": "FSDP reduces the tensor-parallel gradients of the replicated norms",
+    "ep": "the replicate synchroniser would all-reduce expert gradients over ranks holding different experts",
+    "pp": "no parity test covers replicate with pipeline stages yet",
+}
+
+
+def _check_replicate(section: str, topology: RankTopology, degrees: MeshDegrees) -> None:
+    if not isinstance(topology.data_parallel, ReplicateConfig):
+        return
+    for name, reason in _NOT_WITH_REPLICATE.items():
+        if (value := getattr(degrees, name)) > 1:
+            raise PreflightError(
+                f"{section}.data_parallel.kind=replicate with {section}.degrees.{name}={value} is not supported "
+                f"({reason}); use kind=fsdp or kind=hsdp"
+            )
+
+
+def _check_tensor(section: str, model: AnyModelConfig, degrees: MeshDegrees, seq_len: int) -> None:
     try:
         # Sequence parallelism splits each rank's (context-sharded) sequence over tp.
         check_qwen3_tp_degrees(model.parameters, degrees.tp, seq_len=seq_len // degrees.cp)
@@ -90,7 +103,7 @@ def _check_tensor(
         raise PreflightError(f"{section}.degrees.tp={degrees.tp}: {error}") from None
 
 
-def _check_experts(section: str, topology: RankTopology, model: AnyModelConfig, degrees: MeshDegrees) -> None:
+def _check_experts(section: str, model: AnyModelConfig, degrees: MeshDegrees) -> None:
     if not isinstance(model, Qwen3MoeModelConfig):
         raise PreflightError(
             f"{section}.degrees.ep={degrees.ep} needs a model with experts, but the model is {model.kind}; "
@@ -103,22 +116,11 @@ def _check_experts(section: str, topology: RankTopology, model: AnyModelConfig, 
             f"{section}.degrees.ep={degrees.ep} does not divide the model's num_experts={experts}; valid ep "
             f"(dividing num_experts and dp_replicate*dp_shard*cp={degrees.expert_fold}): {valid}"
         )
-    if isinstance(topology.data_parallel, ReplicateConfig):
-        raise PreflightError(
-            f"{section}.data_parallel.kind=replicate with {section}.degrees.ep={degrees.ep} is not supported (the "
-            f"replicate synchroniser would all-reduce expert gradients over ranks holding different experts); use "
-            f"kind=fsdp or kind=hsdp"
-        )
 
 
 def _check_pipeline(
     section: str, topology: RankTopology, model: AnyModelConfig, degrees: MeshDegrees, microbatches: int
 ) -> None:
-    if isinstance(topology.data_parallel, ReplicateConfig):
-        raise PreflightError(
-            f"{section}.data_parallel.kind=replicate with {section}.degrees.pp={degrees.pp} is not covered by a "
-            f"parity test yet; use kind=fsdp (or hsdp) with pp"
-        )
     try:
         plan_pipeline(
             topology.pipeline,
