@@ -12,11 +12,20 @@ from d9d.states.mapper import Identity, ModelStateMapper
 
 
 def load_base_state(
-    source: Path | str, model: nn.Module, injection: PeftInjectionResult, mapper: ModelStateMapper | None = None
+    source: Path | str,
+    model: nn.Module,
+    injection: PeftInjectionResult,
+    mapper: ModelStateMapper | None = None,
+    *,
+    allow_unused: bool = False,
 ) -> LoadReport:
     """Load a checkpoint of the base model (d9d layout, or any layout through `mapper`, e.g. from HF) into the
-    injected `model`: every base name must be filled, only the adapters are left at their initial values."""
-    report = load_model_state(source, model, mapper or injection.load_state_mapper, strict=False)
+    injected `model`: every base name must be filled, only the adapters are left at their initial values.
+    `allow_unused`: `model` is part of the checkpoint's model (e.g. this rank's pipeline stages), so checkpoint
+    tensors that the mapper does not read are left unread instead of refused."""
+    report = load_model_state(
+        source, model, mapper or injection.load_state_mapper, strict=False, allow_unused=allow_unused
+    )
     expected = len(model.state_dict()) - len(injection.adapter_names)
     if report.tensors != expected:
         raise StateMismatchError(

@@ -18,7 +18,7 @@ from d9d.pipeline.config import (
     ZeroBubbleVConfig,
     plan_pipeline,
 )
-from d9d.pipeline.export import gather_pipeline_state
+from d9d.pipeline.export import gather_pipeline_state, gather_pipeline_tensors
 from d9d.pipeline.runtime.executor import PipelineExecutor
 from d9d.pipeline.runtime.model_view import merge_stage_modules
 from d9d.pipeline.runtime.phase import BackwardPhase, backward_phase, current_backward_phase
@@ -51,6 +51,7 @@ __all__ = [
     "build_pipeline_schedule",
     "current_backward_phase",
     "gather_pipeline_state",
+    "gather_pipeline_tensors",
     "merge_stage_modules",
     "pipeline_group",
     "plan_pipeline",

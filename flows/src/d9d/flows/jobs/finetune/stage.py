@@ -201,13 +201,6 @@ def preflight(config: JobConfig) -> None:
         if not section.base.is_dir():
             raise PreflightError(f"finetune.base={section.base} is not a directory of safetensors files")
         model = base_model(section, decoder_of=config.pretrain.model)
-    if section.degrees.pp > 1:
-        # Each pipeline rank holds only its stages; the adapter and merged exports save one state on every rank.
-        raise PreflightError(
-            f"finetune.degrees.pp={section.degrees.pp} is not supported yet (the adapter and merged exports do not "
-            "gather the pipeline stages); fine-tune with finetune.degrees.pp=1 (a pipelined pretrain checkpoint "
-            "loads fine)"
-        )
     section.check_topology("finetune", model, seq_len=config.pretrain.seq_len)
     section.check_batch("finetune")
     section.check_schedule("finetune")

@@ -4,7 +4,8 @@ Every rank runs the same wiring: distributed context, the model from d9d-models'
 -> materialise -> optional `init_weights` load through d9d-states), packed token-shard data through
 `build_data_loader`, optimizer and LR schedule from the section, and the d9d-core `Trainer` (which resumes from the
 newest complete checkpoint in `checkpoints`). At the end, `model_output` gets the trained model as a self-describing
-d9d model directory (safetensors + `parameters.json`). No Prefect here.
+d9d model directory (safetensors + `parameters.json`), every pipeline stage's tensors gathered at `pp > 1`. No
+Prefect here.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def run_pretrain(config: PretrainRankConfig, ctx: DistributedContext, events: Ev
     )
     result = trainer.train()
     tracker.close()  # only after a normal return: a crashed attempt must not flush steps it will replay
-    # At pp > 1 each rank holds only its stages: the stage leaves `model_output` unset (design 0015).
+    # At pp > 1 each rank holds only its stages: the writer gathers them (docs/design/0015).
     if config.model_output is not None and not result.preempted:
         save_model_directory(config.model_output, trainer.parts.model.state_dict(), stage.model.parameters, ctx)
     return result

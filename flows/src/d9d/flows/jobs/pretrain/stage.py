@@ -99,9 +99,8 @@ def rank_config(plan: PretrainPlan, checkpoints: Path) -> PretrainRankConfig:
         train_shards=plan.train_shards,
         checkpoints=checkpoints,
         init_weights=plan.init_from,
-        # Each pipelined rank holds only its stages, and the model-directory writer gathers whole tensors: at pp > 1
-        # the trained model stays in the job checkpoints (design 0015).
-        model_output=checkpoints.parent / MODEL_DIR if plan.config.degrees.pp == 1 else None,
+        # At pp > 1 the writer gathers every stage's tensors onto pipeline rank 0 (design 0015).
+        model_output=checkpoints.parent / MODEL_DIR,
         tracker=tracker_config(plan.config.tracker, checkpoints.parent),
     )
 
@@ -172,7 +171,7 @@ def run_pretrain_stage(plan: PretrainPlan, partial: PartialStage, progress: Prog
         "tracker": tracker_run(config.tracker, partial.root, plan.output),
         "ranks": config.nproc_per_node,
         "init": plan.init_note,
-        "model": MODEL_DIR if config.degrees.pp == 1 else None,
+        "model": MODEL_DIR,
         "resumed_from": run.resumed_from,
         "seconds": run.seconds(),
     }
@@ -184,16 +183,18 @@ def _artifacts(output: Path, statistics: Mapping[str, Any]) -> dict[str, str]:
 
 
 def model_artifact(output: Path, statistics: Mapping[str, Any]) -> str:
-    """The trained model directory; an output committed before the stage exported one (its key is the same, so it
-    stays finished) says how to get it."""
+    """The trained model directory. An output committed before the stage exported one, or (`"model": None`) before
+    it exported a pipelined one, says how to get it: its key is the same (neither the degrees nor the export are in
+    it), so it stays finished."""
     if statistics.get("model"):
         return str(output / str(statistics["model"]))
+    again = f"to get {output / MODEL_DIR}, delete {output} and run the stage again (its training repeats)"
     if "model" in statistics:
-        return f"none: trained with pipeline parallelism, the model is in {output / CHECKPOINTS_DIR} (its newest step)"
-    return (
-        f"none: this output was written before the pretrain stage exported its model; to get {output / MODEL_DIR}, "
-        f"delete {output} and run the stage again (its training repeats)"
-    )
+        return (
+            f"none: this output was trained with pipeline parallelism before the pretrain stage exported pipelined "
+            f"models; the model is in {output / CHECKPOINTS_DIR} (its newest step); {again}"
+        )
+    return f"none: this output was written before the pretrain stage exported its model; {again}"
 
 
 def tracker_artifact(statistics: Mapping[str, Any]) -> dict[str, str]:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 
@@ -44,6 +45,13 @@ def _natural_key(name: str) -> list[Any]:
 def hf_peft_adapter_state(model: nn.Module, to_hf: ModelStateMapper) -> tuple[dict[str, torch.Tensor], list[str]]:
     """The adapter tensors under peft's names, and the HF module names they target (every rank must call it:
     sharded adapters are gathered)."""
+    tensors, modules = _adapter_state(model, to_hf)
+    if not modules:
+        raise ValueError("the model has no LoRA adapter to export")
+    return tensors, modules
+
+
+def _adapter_state(model: nn.Module, to_hf: ModelStateMapper) -> tuple[dict[str, torch.Tensor], list[str]]:
     targets = _hf_targets(to_hf)
     tensors: dict[str, torch.Tensor] = {}
     modules: list[str] = []
@@ -72,13 +80,14 @@ def hf_peft_adapter_state(model: nn.Module, to_hf: ModelStateMapper) -> tuple[di
             modules.append(module)
             tensors[f"{_PREFIX}{module}.lora_A.weight"] = piece_a.contiguous()
             tensors[f"{_PREFIX}{module}.lora_B.weight"] = piece_b.contiguous()
-    if not modules:
-        raise ValueError("the model has no LoRA adapter to export")
     return tensors, modules
 
 
-def _shared_parameters(model: nn.Module) -> LoRAParameters:
-    found = {sub.params for sub in model.modules() if isinstance(sub, LoRALinear | LoRAGroupedLinear)}
+def _parameters_of(model: nn.Module) -> set[LoRAParameters]:
+    return {sub.params for sub in model.modules() if isinstance(sub, LoRALinear | LoRAGroupedLinear)}
+
+
+def _one_set(found: set[LoRAParameters]) -> LoRAParameters:
     if len(found) != 1:
         raise ValueError(f"export needs one set of LoRA parameters for every adapter, the model has {len(found)}")
     return found.pop()
@@ -91,12 +100,29 @@ def export_hf_peft_adapter(
     *,
     base_model_name_or_path: str | None = None,
     write: bool = True,
+    group: dist.ProcessGroup | None = None,
 ) -> None:
     """Write `directory/adapter_model.safetensors` and `adapter_config.json` for `peft`.
 
-    Every rank calls it; only those with `write` (e.g. rank 0) write the files."""
-    params = _shared_parameters(model)
-    tensors, modules = hf_peft_adapter_state(model, to_hf)
+    Every rank calls it; only those with `write` (e.g. rank 0) write the files. `group`: the pipeline ranks whose
+    stages together make the model (`model` is this rank's stages, under the whole model's names): each rank's
+    adapters are exchanged with `all_gather_object` (every rank of the group then holds all of them: r x (in + out)
+    values per adapted module, small next to the model) and the files hold the whole model's adapters."""
+    found = _parameters_of(model)
+    tensors, modules = _adapter_state(model, to_hf)
+    if group is not None:
+        parts: list[tuple[set[LoRAParameters], dict[str, torch.Tensor], list[str]] | None]
+        parts = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, (found, tensors, modules), group=group)
+        found, tensors, modules = set(), {}, []
+        for part in parts:
+            assert part is not None
+            found |= part[0]
+            tensors |= part[1]
+            modules += part[2]
+    if not modules:
+        raise ValueError("the model has no LoRA adapter to export")
+    params = _one_set(found)
     if not write:
         return
     directory.mkdir(parents=True, exist_ok=True)
