@@ -120,9 +120,20 @@ def test_finetune_degrees_are_checked_against_the_pretrained_model(capsys, tmp_p
     assert "finetune.degrees.tp=4: tp=4 does not fit the model: num_key_value_heads=2" in err
 
 
-def test_pipelined_finetune_is_refused(capsys, tmp_path):
-    err = _error(capsys, tmp_path, "pipeline", "finetune.degrees.pp=2")
-    assert "finetune.degrees.pp=2 is not supported yet (the adapter and merged exports do not gather" in err
+def test_pipelined_finetune_schedules_are_checked(capsys, tmp_path):
+    # The pipelined fine-tune runs (tests/flows/test_pipelined_exports.py); its schedule is checked like pretrain's.
+    err = _error(capsys, tmp_path, "pipeline", "finetune.degrees.pp=2", "finetune.pipeline.schedule.kind=dualpipe_v")
+    assert "finetune.degrees.pp=2 with finetune.pipeline.schedule.kind=dualpipe_v (4 micro-batches per step" in err
+    assert "num_layers=2 (+0 virtual) cannot fill 4 stages" in err  # the pretrained model's layers
+
+
+def test_split_backward_schedule_under_fsdp_without_sharding(capsys, tmp_path):
+    err = _error(
+        capsys, tmp_path, "pretrain", "pretrain.degrees.pp=2", "pretrain.model.parameters.num_layers=4",
+        "pretrain.pipeline.schedule.kind=zbv",
+    )  # fmt: skip
+    assert "pretrain.pipeline.schedule.kind=zbv with pretrain.data_parallel.kind=fsdp is not supported yet" in err
+    assert "use pretrain.pipeline.schedule.kind=gpipe, 1f1b or interleaved_1f1b" in err
 
 
 def test_finetune_global_batch_over_the_data_parallel_ranks_of_tp(capsys, tmp_path):

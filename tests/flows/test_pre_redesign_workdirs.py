@@ -106,3 +106,17 @@ def test_the_fixture_was_made_for_the_workdir_the_script_names():
     # The finetune-data key holds the tokenizer's path under the workdir: the fixture is for that workdir only.
     tokenizer = PRE_0009["micro"]["finetune-data"]["tokenizer"]["path"]
     assert tokenizer == f"{WORKDIR}/data/tokenizer.json"
+
+
+def test_a_pipelined_pretrain_output_from_before_the_pipelined_export_says_how_to_get_the_model(tmp_path):
+    """Committed at pp > 1 before the stage gathered the stages (statistics `"model": None`): the key is the same
+    (the degrees are not in it), so it stays finished; its summary points at the checkpoints and at a rerun."""
+    from d9d.flows.jobs.pretrain.stage import model_artifact
+
+    output = tmp_path / "pretrain"
+    assert model_artifact(output, {"steps": 8, "model": None}) == (
+        "none: this output was trained with pipeline parallelism before the pretrain stage exported pipelined "
+        f"models; the model is in {output / 'checkpoints'} (its newest step); to get {output / 'model'}, delete "
+        f"{output} and run the stage again (its training repeats)"
+    )
+    assert model_artifact(output, {"steps": 8, "model": "model"}) == str(output / "model")

@@ -5,7 +5,7 @@ import json
 
 from d9d.flows.jobs.contract import PartialStage
 from d9d.flows.jobs.loading import load_job_config
-from d9d.flows.jobs.pretrain.stage import CHECKPOINTS_DIR, plan_pretrain, prepare_partial
+from d9d.flows.jobs.pretrain.stage import CHECKPOINTS_DIR, MODEL_DIR, plan_pretrain, prepare_partial, rank_config
 
 
 def _plan(tmp_path, *overrides):
@@ -21,6 +21,15 @@ def test_rank_count_and_placement_stay_out_of_the_key_but_training_settings_do_n
     assert _plan(tmp_path, "pretrain.nproc_per_node=4", "pretrain.grace_seconds=5").key.digest == base
     assert _plan(tmp_path, "pretrain.steps=9").key.digest != base
     assert _plan(tmp_path, "pretrain.optimizer.lr=0.001").key.digest != base
+
+
+def test_a_pipelined_run_exports_its_model_too_under_the_same_key(tmp_path):
+    """At pp > 1 the ranks gather their stages into model/ (tests/flows/test_pipelined_exports.py); the degrees stay
+    out of the key, so a pp=1 output and a pp=2 one are the same stage output."""
+    flat, pipelined = _plan(tmp_path), _plan(tmp_path, "pretrain.degrees.pp=2")
+    assert pipelined.key.digest == flat.key.digest
+    checkpoints = tmp_path / ".pretrain.partial" / CHECKPOINTS_DIR
+    assert rank_config(pipelined, checkpoints).model_output == checkpoints.parent / MODEL_DIR
 
 
 def test_starts_from_the_convert_output_only_when_its_parameters_equal_the_model(tmp_path):
