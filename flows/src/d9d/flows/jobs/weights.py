@@ -47,8 +47,8 @@ def load_converted_weights(source: Path, model: nn.Module, *, pipeline_stages: b
 def first_stage_group(ctx: DistributedContext) -> dist.ProcessGroup:
     """A process group of the ranks whose pipeline coordinate is 0 (every rank must call it: creating a group is
     collective)."""
-    ranks = ctx.layout_for(MeshDomain.REGULAR).ranks[0].flatten().tolist()  # pp is the slowest-varying dimension
-    group = dist.new_group(ranks)
+    ranks: list[int] = ctx.layout_for(MeshDomain.REGULAR).ranks[0].flatten().tolist()  # pp varies slowest
+    group: dist.ProcessGroup | None = dist.new_group(ranks)
     assert group is not None
     return group
 
