@@ -17,6 +17,7 @@ import pytest
 
 from d9d.flows.cli import main
 from d9d.flows.jobs.torchrun_stage import LOG_FILE, LOSSES_FILE, read_losses
+from d9d.states import CheckpointSource
 
 pytestmark = [pytest.mark.isolated, pytest.mark.slow]
 
@@ -96,3 +97,19 @@ def test_finetune_with_tensor_parallelism_matches_data_parallel_only(workdir, de
     losses = _run(workdir, "finetune", "finetune-tp2", *base, "finetune.degrees.tp=2")
     _ran_with(workdir, "finetune-tp2", "finetune", "pp=1, dp_replicate=1, dp_shard=2, cp=1, tp=2, ep=1")
     _assert_same_curve(losses, baseline)
+
+
+def test_pipelined_finetune_matches_data_parallel_only(workdir, dense_baseline):
+    """pp=2 x dp_shard=2 (1F1B): LoRA per stage, its exports gathered from both stages into the committed output."""
+    base = [f"pretrain.output={workdir / 'pretrain-dp4'}", "finetune.nproc_per_node=4"]
+    baseline = _run(workdir, "finetune", "finetune-dp4", *base)
+    losses = _run(workdir, "finetune", "finetune-pp2", *base, "finetune.degrees.pp=2")
+    _ran_with(workdir, "finetune-pp2", "finetune", "pp=2, dp_replicate=1, dp_shard=2, cp=1, tp=1, ep=1, pipeline")
+    _assert_same_curve(losses, baseline)
+    for part in ("adapter", "merged"):  # every stage's tensors, whole (the writers' file count differs: 2 and 4)
+        metas = {
+            name: meta.shape for name, meta in CheckpointSource.open(workdir / "finetune-pp2" / part).metas().items()
+        }
+        assert metas == {
+            name: meta.shape for name, meta in CheckpointSource.open(workdir / "finetune-dp4" / part).metas().items()
+        }
