@@ -41,6 +41,9 @@ class _Step:
     loss_scale: float
     training: bool
     outcome: StepOutcome = field(default_factory=StepOutcome)
+    # The losses summed on the device: a `float()` per micro-batch would wait for the GPU each time and let the
+    # host fall behind the kernels it should be queueing; read once at the end of the step.
+    loss_total: torch.Tensor | None = None
     inputs: dict[Key, torch.Tensor | None] = field(default_factory=dict)  # stage inputs (leaves when received)
     outputs: dict[Key, torch.Tensor] = field(default_factory=dict)  # activation, or the scaled loss on the last
     received: dict[tuple[str, int, int], tuple[torch.Tensor, ReceiveHandle]] = field(default_factory=dict)
@@ -93,6 +96,8 @@ class PipelineExecutor:
                 self._communicate(action, task, step, comm)
         if comm is not None:
             comm.wait_all()
+        if step.loss_total is not None:
+            step.outcome.loss_sum = float(step.loss_total)
         return step.outcome
 
     # Communication -------------------------------------------------------------------------------------------------
@@ -166,7 +171,8 @@ class PipelineExecutor:
         if stage == self.layout.last_stage:
             if not isinstance(result, LossResult):
                 raise TypeError(f"the last stage's forward_stage must return a LossResult, got {type(result).__name__}")
-            step.outcome.loss_sum += float(result.loss_sum.detach().to(torch.float64))
+            loss = result.loss_sum.detach().to(torch.float64)
+            step.loss_total = loss if step.loss_total is None else step.loss_total + loss
             for name, value in result.metrics.items():
                 step.outcome.metric_sums[name] = step.outcome.metric_sums.get(name, 0.0) + float(value)
             if step.training:
