@@ -100,9 +100,15 @@ class _Graph:
     post_order: list[Node]
     on_input_path: set[Node]
     params_below: dict[Node, frozenset[Node]]  # only for nodes off the input path
+    weight_side: dict[Node, frozenset[Node]]  # the intermediates: the parameters their edges off the path reach
 
 
-def _walk(roots: Sequence[Node], input_nodes: set[Node], param_nodes: set[Node]) -> _Graph:
+_ACCUMULATE_GRAD: type = torch._C._functions.AccumulateGrad
+
+
+def _walk(roots: Sequence[Node], input_nodes: set[Node], param_ids: set[int]) -> _Graph:
+    """The walk; a parameter is recognised by its accumulator's `variable` (looking up each parameter's
+    accumulator instead costs a view per parameter and micro-batch)."""
     children: dict[Node, list[Node]] = {}
     post_order: list[Node] = []
     stack: list[tuple[Node, bool]] = [(root, False) for root in reversed(roots)]
@@ -118,17 +124,24 @@ def _walk(roots: Sequence[Node], input_nodes: set[Node], param_nodes: set[Node])
         stack.extend((child, False) for child in below if child not in children)
     on_input_path: set[Node] = set()
     params_below: dict[Node, frozenset[Node]] = {}
+    weight_side: dict[Node, frozenset[Node]] = {}
     empty: frozenset[Node] = frozenset()
     for node in post_order:
         below = children[node]
+        reached = empty
+        for child in below:  # the parameters reached through children off the input path
+            off_path = params_below.get(child)
+            if off_path:
+                reached = reached | off_path
         if node in input_nodes or any(child in on_input_path for child in below):
             on_input_path.add(node)
+            if reached:
+                weight_side[node] = reached
             continue
-        reached = frozenset({node}) if node in param_nodes else empty
-        for child in below:
-            reached = reached | params_below[child] if params_below[child] else reached
+        if isinstance(node, _ACCUMULATE_GRAD) and id(node.variable) in param_ids:  # type: ignore[attr-defined]
+            reached = reached | {node}
         params_below[node] = reached
-    return _Graph(children, post_order, on_input_path, params_below)
+    return _Graph(children, post_order, on_input_path, params_below, weight_side)
 
 
 def backward_input(
@@ -140,7 +153,6 @@ def backward_input(
     """Gradients of `inputs` (None where not reached) and the work `backward_weight` needs for `params`."""
     roots = [node for node in map(_node_of, outputs) if node is not None]
     input_nodes = {node for node in map(_node_of, inputs) if node is not None}
-    param_of = {node: param for param in params if (node := _node_of(param)) is not None}
     work = WeightGradientWork(graph_owners=[_graph_owner(tensor) for tensor in outputs])
     seeds = [grad if grad is not None else torch.ones_like(out) for out, grad in zip(outputs, grad_outputs, strict=True)]
     if not input_nodes:  # a first stage: no input gradient; the weight pass is the whole backward
@@ -152,14 +164,8 @@ def backward_input(
                 level.grads.append(seed)
         work.levels.append(level)
         return [None] * len(inputs), work
-    graph = _walk(roots, input_nodes, set(param_of))
-    on_input, params_below = graph.on_input_path, graph.params_below
-    # An intermediate: on the input path, with a child off it that reaches parameters (its weight side).
-    weight_side = {
-        node: reached
-        for node in on_input
-        if (reached := frozenset().union(*(params_below.get(child, frozenset()) for child in graph.children[node])))
-    }
+    graph = _walk(roots, input_nodes, {id(param) for param in params})
+    on_input, params_below, weight_side = graph.on_input_path, graph.params_below, graph.weight_side
     # Levels, top-down (the reverse post-order is a topological order): the most intermediates strictly above.
     above: dict[Node, int] = {}
     level_of: dict[Node, int] = {}
@@ -214,7 +220,7 @@ def backward_input(
                 reached_by.setdefault(param_node, set()).add(0)
     for param_node, levels in reached_by.items():
         for index in levels:
-            work.levels[index].params.append(param_of[param_node])
+            work.levels[index].params.append(param_node.variable)  # type: ignore[attr-defined]
     work.shared = any(len(levels) > 1 for levels in reached_by.values())
     return [by_input.get(id(tensor)) for tensor in inputs], work
 
