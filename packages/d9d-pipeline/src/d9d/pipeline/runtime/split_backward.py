@@ -106,9 +106,10 @@ class _Graph:
 _ACCUMULATE_GRAD: type = torch._C._functions.AccumulateGrad
 
 
-def _walk(roots: Sequence[Node], input_nodes: set[Node], param_ids: set[int]) -> _Graph:
-    """The walk; a parameter is recognised by its accumulator's `variable` (looking up each parameter's
-    accumulator instead costs a view per parameter and micro-batch)."""
+def _walk(roots: Sequence[Node], input_nodes: set[Node], param_ids: set[int] | None) -> _Graph:
+    """The walk; a parameter is a leaf's accumulator off the input path (any, or one of `param_ids`), recognised
+    by its `variable` (looking up each parameter's accumulator instead costs a view per parameter and
+    micro-batch, and under FSDP the graph's leaves are the unsharded parameters, not the module's sharded ones)."""
     children: dict[Node, list[Node]] = {}
     post_order: list[Node] = []
     stack: list[tuple[Node, bool]] = [(root, False) for root in reversed(roots)]
@@ -138,7 +139,7 @@ def _walk(roots: Sequence[Node], input_nodes: set[Node], param_ids: set[int]) ->
             if reached:
                 weight_side[node] = reached
             continue
-        if isinstance(node, _ACCUMULATE_GRAD) and id(node.variable) in param_ids:  # type: ignore[attr-defined]
+        if isinstance(node, _ACCUMULATE_GRAD) and (param_ids is None or id(node.variable) in param_ids):  # type: ignore[attr-defined]
             reached = reached | {node}
         params_below[node] = reached
     return _Graph(children, post_order, on_input_path, params_below, weight_side)
@@ -148,23 +149,28 @@ def backward_input(
     outputs: Sequence[torch.Tensor],
     grad_outputs: Sequence[torch.Tensor | None],
     inputs: Sequence[torch.Tensor],
-    params: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor] | None = None,
 ) -> tuple[list[torch.Tensor | None], WeightGradientWork]:
-    """Gradients of `inputs` (None where not reached) and the work `backward_weight` needs for `params`."""
+    """Gradients of `inputs` (None where not reached) and the work `backward_weight` needs.
+
+    `params`: the parameters whose gradients the weight pass accumulates; None (what the executor passes) means
+    every leaf the outputs reach besides `inputs`, exactly what a full backward would accumulate into, and the only
+    choice under FSDP, whose graph holds the unsharded parameters instead of the module's sharded ones.
+    """
     roots = [node for node in map(_node_of, outputs) if node is not None]
     input_nodes = {node for node in map(_node_of, inputs) if node is not None}
     work = WeightGradientWork(graph_owners=[_graph_owner(tensor) for tensor in outputs])
     seeds = [grad if grad is not None else torch.ones_like(out) for out, grad in zip(outputs, grad_outputs, strict=True)]
     if not input_nodes:  # a first stage: no input gradient; the weight pass is the whole backward
         work.whole = True
-        level = WeightLevel(params=list(params))
+        level = WeightLevel(params=list(params) if params is not None else [])
         for tensor, seed in zip(outputs, seeds, strict=True):
             if (node := _node_of(tensor)) is not None:
                 level.edges.append(GradientEdge(node, tensor.output_nr))
                 level.grads.append(seed)
         work.levels.append(level)
         return [None] * len(inputs), work
-    graph = _walk(roots, input_nodes, {id(param) for param in params})
+    graph = _walk(roots, input_nodes, None if params is None else {id(param) for param in params})
     on_input, params_below, weight_side = graph.on_input_path, graph.params_below, graph.weight_side
     # Levels, top-down (the reverse post-order is a topological order): the most intermediates strictly above.
     above: dict[Node, int] = {}
@@ -235,7 +241,7 @@ _ENGINE_RUN_BACKWARD: Callable[..., object] | None = getattr(torch.autograd.grap
 def _run_engine(level: WeightLevel, *, retain_graph: bool) -> None:
     """Accumulate one level's weight gradients into `.grad` (autograd's accumulators: no extra add or copy)."""
     if _ENGINE_RUN_BACKWARD is None:
-        torch.autograd.backward(level.edges, level.grads, inputs=level.params, retain_graph=retain_graph)  # type: ignore[arg-type]
+        torch.autograd.backward(level.edges, level.grads, inputs=level.params or None, retain_graph=retain_graph)  # type: ignore[arg-type]
         return
     _ENGINE_RUN_BACKWARD(
         tuple(level.edges),
@@ -252,14 +258,14 @@ def _mute(grads: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, 
     return tuple(None for _ in grads)
 
 
-def backward_weight(work: WeightGradientWork, params: Sequence[torch.Tensor]) -> None:
+def backward_weight(work: WeightGradientWork, params: Sequence[torch.Tensor] | None = None) -> None:
     """Accumulate the weight gradients into the parameters' `.grad` (the second half of `backward_input`).
 
-    `params` is what `backward_input` got: the work already knows which of them each level reaches; a parameter a
-    micro-batch never reached (an expert no token chose) keeps its gradient.
+    `params` is ignored (each level knows the parameters it reaches; kept so both halves take the same
+    arguments); a parameter a micro-batch never reached (an expert no token chose) keeps its gradient.
     """
-    del params  # each level carries its own parameters
-    levels = [level for level in work.levels if level.edges and level.params]
+    del params
+    levels = [level for level in work.levels if level.edges and (level.params or work.whole)]
     with backward_phase(BackwardPhase.FULL if work.whole else BackwardPhase.WEIGHT):
         for index, level in enumerate(levels):
             handles = []
