@@ -18,11 +18,13 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import functools
 import json
 import os
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -114,32 +116,34 @@ def main() -> None:
         out = module(None, hidden_states=x).hidden_states
         return x, out, torch.randn_like(out)
 
-    samples: dict[str, list[tuple[float, float]]] = {"B": [], "I": [], "W": []}
-    counts: dict[str, dict[str, int]] = {}
-    calls = 0
-    for repeat in range(args.repeats + 2):  # two warm-ups (the first also counts ops)
-        count = repeat == 0
+    def passes(counters: dict[str, contextlib.AbstractContextManager[object]]) -> tuple[dict[str, Any], int]:
+        """One full backward, then one split backward of a fresh forward: {pass: (host, device)}, W's call count."""
         x, out, grad = forward()
-        with OpCounter() if count else contextlib.nullcontext() as counter:
-            _, host, dev = timed(device, lambda: torch.autograd.backward([out], [grad]))  # noqa: B023
-        if count:
-            counts["B"] = counter.summary()
-        elif repeat >= 2:
-            samples["B"].append((host, dev))
+        with counters["B"]:
+            _, host, dev = timed(device, functools.partial(torch.autograd.backward, [out], [grad]))
+        times = {"B": (host, dev)}
         module.zero_grad(set_to_none=True)
         x, out, grad = forward()
-        with OpCounter() if count else contextlib.nullcontext() as counter:
-            (_, work), host_i, dev_i = timed(device, lambda: backward_input([out], [grad], [x], weights))  # noqa: B023
+        with counters["I"]:
+            (_, work), host, dev = timed(device, functools.partial(backward_input, [out], [grad], [x], weights))
+        times["I"] = (host, dev)
         calls = work.num_calls
-        del out
-        with OpCounter() if count else contextlib.nullcontext() as counter_w:
-            _, host_w, dev_w = timed(device, lambda: backward_weight(work, weights))  # noqa: B023
-        if count:
-            counts["I"], counts["W"] = counter.summary(), counter_w.summary()
-        elif repeat >= 2:
-            samples["I"].append((host_i, dev_i))
-            samples["W"].append((host_w, dev_w))
+        del out  # as the executor does: only the work holds the graph until W
+        with counters["W"]:
+            _, host, dev = timed(device, functools.partial(backward_weight, work))
+        times["W"] = (host, dev)
         module.zero_grad(set_to_none=True)
+        return times, calls
+
+    counters = {name: OpCounter() for name in ("B", "I", "W")}
+    _, calls = passes(dict(counters))  # untimed: counts the ops (and warms up)
+    counts = {name: counter.summary() for name, counter in counters.items()}
+    passes({name: contextlib.nullcontext() for name in counters})  # second warm-up
+    samples: dict[str, list[tuple[float, float]]] = {"B": [], "I": [], "W": []}
+    for _ in range(args.repeats):
+        times, _ = passes({name: contextlib.nullcontext() for name in counters})
+        for name, (host, dev) in times.items():
+            samples[name].append((host, dev))
     rows = []
     print(f"# {device} {dtype} middle stage of {args.layers} layers, seq {seq}; W makes {calls} autograd calls")
     print("| pass | ops | matmuls | attention backwards | host ms | device ms |")
@@ -149,11 +153,9 @@ def main() -> None:
         dev = statistics.median(d for _, d in samples[name]) * 1e3
         row = {"pass": name, **counts[name], "host_ms": host, "device_ms": dev, "weight_calls": calls}
         rows.append(row)
-        print(
-            f"| {name} | {row['ops']} | {row['matmuls']} | {row['attention_backwards']} | {host:.2f} | {dev:.2f} |"
-        )
+        print(f"| {name} | {row['ops']} | {row['matmuls']} | {row['attention_backwards']} | {host:.2f} | {dev:.2f} |")
     if args.json:
-        with open(args.json, "w") as handle:
+        with Path(args.json).open("w") as handle:
             json.dump(rows, handle, indent=1)
 
 

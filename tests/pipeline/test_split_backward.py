@@ -12,8 +12,8 @@ import importlib.util
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from pipeline_workload import EAGER, HIDDEN, SEQ, VOCAB, build_meta, load_initial
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from d9d.kernels.grouped_mm import TritonGroupedMmConfig
 from d9d.kernels.linear_cross_entropy import TritonLinearCrossEntropyConfig
@@ -170,7 +170,7 @@ class _OpCounter(TorchDispatchMode):
         super().__init__()
         self.counts: collections.Counter[str] = collections.Counter()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.counts[func.overloadpacket.__name__] += 1
         return func(*args, **(kwargs or {}))
 

@@ -74,7 +74,9 @@ class PipelineExecutor:
             raise ValueError(f"pp={layout.pp} needs the pipeline process group")
         self.modules, self.layout, self.rank, self.device = dict(modules), layout, pipeline_rank, device
         self.group = group
-        self._fsdp = {stage: DeferredReduction(roots) for stage, module in modules.items() if (roots := fsdp_roots(module))}
+        self._fsdp = {
+            stage: DeferredReduction(roots) for stage, module in modules.items() if (roots := fsdp_roots(module))
+        }
 
     def stage_info(self, stage: int) -> PipelineStage:
         return PipelineStage(stage, self.layout.num_stages)

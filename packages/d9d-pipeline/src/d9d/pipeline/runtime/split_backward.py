@@ -103,7 +103,8 @@ class _Graph:
     weight_side: dict[Node, frozenset[Node]]  # the intermediates: the parameters their edges off the path reach
 
 
-_ACCUMULATE_GRAD: type = torch._C._functions.AccumulateGrad
+# A leaf's gradient accumulator (its `variable` is the leaf); untyped in torch's stubs.
+_ACCUMULATE_GRAD: type = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
 
 
 def _walk(roots: Sequence[Node], input_nodes: set[Node], param_ids: set[int] | None) -> _Graph:
@@ -145,6 +146,72 @@ def _walk(roots: Sequence[Node], input_nodes: set[Node], param_ids: set[int] | N
     return _Graph(children, post_order, on_input_path, params_below, weight_side)
 
 
+def _levels(graph: _Graph) -> dict[Node, int]:
+    """Each intermediate's level: the most intermediates strictly above it on one path of the input path (the
+    reverse post-order is a topological order, outputs first). An intermediate reaching another has a lower one."""
+    above: dict[Node, int] = {}
+    level_of: dict[Node, int] = {}
+    for node in reversed(graph.post_order):
+        if node not in graph.on_input_path:
+            continue
+        depth = above.get(node, 0)
+        if node in graph.weight_side:
+            level_of[node] = depth
+            depth += 1
+        for child in graph.children[node]:
+            if child in graph.on_input_path and above.get(child, -1) < depth:
+                above[child] = depth
+    return level_of
+
+
+def _first_stage_work(
+    outputs: Sequence[torch.Tensor], seeds: Sequence[torch.Tensor], params: Sequence[torch.Tensor] | None
+) -> WeightGradientWork:
+    """No stage input: the weight pass is the whole backward, one ordinary call (every gradient is used)."""
+    work = WeightGradientWork(graph_owners=[_graph_owner(tensor) for tensor in outputs], whole=True)
+    level = WeightLevel(params=list(params) if params is not None else [])
+    for tensor, seed in zip(outputs, seeds, strict=True):
+        if (node := _node_of(tensor)) is not None:
+            level.edges.append(GradientEdge(node, tensor.output_nr))
+            level.grads.append(seed)
+    work.levels.append(level)
+    return work
+
+
+def _fill_levels(
+    work: WeightGradientWork,
+    graph: _Graph,
+    level_of: dict[Node, int],
+    captured: dict[Node, tuple[torch.Tensor | None, ...]],
+    seeded_outputs: list[tuple[torch.Tensor, torch.Tensor]],
+) -> None:
+    """Each level's roots (the captured gradients), and the parameters its weight sides reach."""
+    reached_by: dict[Node, set[int]] = {}
+    for node, index in level_of.items():
+        work.levels[index].nodes.append(node)
+        for param_node in graph.weight_side[node]:
+            reached_by.setdefault(param_node, set()).add(index)
+    for node, node_grads in captured.items():
+        level = work.levels[level_of[node]]
+        for index, grad in enumerate(node_grads):
+            if grad is not None:
+                level.edges.append(GradientEdge(node, index))
+                level.grads.append(grad)
+    # Outputs whose graph never meets an input (e.g. a loss term of parameters only) start the weight pass too;
+    # they reach no intermediate, so the first level can take them.
+    for tensor, seed in seeded_outputs:
+        root = _node_of(tensor)
+        if root is not None and root not in graph.on_input_path and graph.params_below.get(root):
+            work.levels[0].edges.append(GradientEdge(root, tensor.output_nr))
+            work.levels[0].grads.append(seed)
+            for param_node in graph.params_below[root]:
+                reached_by.setdefault(param_node, set()).add(0)
+    for param_node, levels in reached_by.items():
+        for index in levels:
+            work.levels[index].params.append(param_node.variable)  # type: ignore[attr-defined]
+    work.shared = any(len(levels) > 1 for levels in reached_by.values())
+
+
 def backward_input(
     outputs: Sequence[torch.Tensor],
     grad_outputs: Sequence[torch.Tensor | None],
@@ -157,41 +224,17 @@ def backward_input(
     every leaf the outputs reach besides `inputs`, exactly what a full backward would accumulate into, and the only
     choice under FSDP, whose graph holds the unsharded parameters instead of the module's sharded ones.
     """
-    roots = [node for node in map(_node_of, outputs) if node is not None]
+    seeds = [
+        grad if grad is not None else torch.ones_like(out) for out, grad in zip(outputs, grad_outputs, strict=True)
+    ]
     input_nodes = {node for node in map(_node_of, inputs) if node is not None}
-    work = WeightGradientWork(graph_owners=[_graph_owner(tensor) for tensor in outputs])
-    seeds = [grad if grad is not None else torch.ones_like(out) for out, grad in zip(outputs, grad_outputs, strict=True)]
-    if not input_nodes:  # a first stage: no input gradient; the weight pass is the whole backward
-        work.whole = True
-        level = WeightLevel(params=list(params) if params is not None else [])
-        for tensor, seed in zip(outputs, seeds, strict=True):
-            if (node := _node_of(tensor)) is not None:
-                level.edges.append(GradientEdge(node, tensor.output_nr))
-                level.grads.append(seed)
-        work.levels.append(level)
-        return [None] * len(inputs), work
+    if not input_nodes:
+        return [None] * len(inputs), _first_stage_work(outputs, seeds, params)
+    roots = [node for node in map(_node_of, outputs) if node is not None]
     graph = _walk(roots, input_nodes, None if params is None else {id(param) for param in params})
-    on_input, params_below, weight_side = graph.on_input_path, graph.params_below, graph.weight_side
-    # Levels, top-down (the reverse post-order is a topological order): the most intermediates strictly above.
-    above: dict[Node, int] = {}
-    level_of: dict[Node, int] = {}
-    for node in reversed(graph.post_order):
-        if node not in on_input:
-            continue
-        depth = above.get(node, 0)
-        if node in weight_side:
-            level_of[node] = depth
-            depth += 1
-        for child in graph.children[node]:
-            if child in on_input and above.get(child, -1) < depth:
-                above[child] = depth
-    num_levels = max(level_of.values(), default=-1) + 1
-    work.levels = [WeightLevel() for _ in range(max(num_levels, 1))]
-    reached_by: dict[Node, set[int]] = {}
-    for node, index in level_of.items():
-        work.levels[index].nodes.append(node)
-        for param_node in weight_side[node]:
-            reached_by.setdefault(param_node, set()).add(index)
+    level_of = _levels(graph)
+    work = WeightGradientWork(graph_owners=[_graph_owner(tensor) for tensor in outputs])
+    work.levels = [WeightLevel() for _ in range(max(level_of.values(), default=0) + 1)]
     captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
 
     def capture(node: Node) -> Callable[[tuple[torch.Tensor | None, ...]], None]:
@@ -208,26 +251,8 @@ def backward_input(
     finally:
         for handle in handles:
             handle.remove()
+    _fill_levels(work, graph, level_of, captured, list(zip(outputs, seeds, strict=True)))
     by_input = dict(zip(map(id, wanted), grads, strict=True))
-    for node, node_grads in captured.items():
-        level = work.levels[level_of[node]]
-        for index, grad in enumerate(node_grads):
-            if grad is not None:
-                level.edges.append(GradientEdge(node, index))
-                level.grads.append(grad)
-    # Outputs whose graph never meets an input (e.g. a loss term of parameters only) start the weight pass too;
-    # they reach no intermediate, so the first level can take them.
-    for tensor, seed in zip(outputs, seeds, strict=True):
-        node = _node_of(tensor)
-        if node is not None and node not in on_input and params_below.get(node):
-            work.levels[0].edges.append(GradientEdge(node, tensor.output_nr))
-            work.levels[0].grads.append(seed)
-            for param_node in params_below[node]:
-                reached_by.setdefault(param_node, set()).add(0)
-    for param_node, levels in reached_by.items():
-        for index in levels:
-            work.levels[index].params.append(param_node.variable)  # type: ignore[attr-defined]
-    work.shared = any(len(levels) > 1 for levels in reached_by.values())
     return [by_input.get(id(tensor)) for tensor in inputs], work
 
 
@@ -241,13 +266,13 @@ _ENGINE_RUN_BACKWARD: Callable[..., object] | None = getattr(torch.autograd.grap
 def _run_engine(level: WeightLevel, *, retain_graph: bool) -> None:
     """Accumulate one level's weight gradients into `.grad` (autograd's accumulators: no extra add or copy)."""
     if _ENGINE_RUN_BACKWARD is None:
-        torch.autograd.backward(level.edges, level.grads, inputs=level.params or None, retain_graph=retain_graph)  # type: ignore[arg-type]
+        torch.autograd.backward(level.edges, level.grads, inputs=level.params or None, retain_graph=retain_graph)
         return
     _ENGINE_RUN_BACKWARD(
         tuple(level.edges),
         tuple(level.grads),
         retain_graph,
-        False,  # create_graph
+        False,  # noqa: FBT003 - create_graph, positional in the engine's signature
         tuple(level.params),
         allow_unreachable=True,
         accumulate_grad=True,
