@@ -17,6 +17,7 @@ from d9d.kernels.expert_dispatch.sorting import (
     ExpertOrder,
     count_per_expert,
     gather_sorted_rows,
+    permute_rows,
     sort_by_expert,
     weighted_unsort,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "count_per_expert",
     "detect_expert_dispatch_config",
     "gather_sorted_rows",
+    "permute_rows",
     "import_deep_ep",
     "resolve_expert_dispatch_config",
     "sort_by_expert",
