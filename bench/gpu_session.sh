@@ -65,11 +65,12 @@ for part in "$@"; do case $part in
     done ;;
   scaling)  # issue 21's FSDP scaling on the GPUs lent (1, 2, 4), compiled, same per-GPU batch
     for gpus in 0 0,1 0,1,2,3; do run $gpus 80 scaling.log bench/tensor_parallel.py --compile --steps 6 --warmup 2; done ;;
-  ep2)  # the MoE anchor: the 1-GPU figure, then FSDP-only and ep=2 on 2 GPUs (rows print before each profile)
+  ep2)  # the MoE anchor: the 1-GPU figure, then FSDP-only, ep=2 and DeepEP (where installed) on 2 GPUs; each row
+        # prints before its profile, and a profile that would not fit the call's time is skipped
     E=bench/expert_parallel.py
     run 0 120 ep.log $E --modes fsdp --steps 8 --warmup 3 --profile-steps 2 --budget-seconds 105 --trace-dir "$out/traces"
-    run 0,1 170 ep.log $E --modes fsdp ep --steps 8 --warmup 3 --profile-steps 2 --budget-seconds 155 \
-      --trace-dir "$out/traces" ;;
+    run 0,1 ${EP_SECONDS:-240} ep.log $E --modes fsdp ep deep_ep --steps 8 --warmup 3 --profile-steps 2 \
+      --budget-seconds $(( ${EP_SECONDS:-240} - 15 )) --trace-dir "$out/traces" ;;
   kerneltests)  # GPU tests that use CUDA in the pytest process (after every forking test)
     timeout 170 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -m gpu tests/kernels tests/models 2>&1 \
       | tee "$out/kernel-tests.log" | tail -25 | cut -c1-300 ;;
