@@ -208,4 +208,6 @@ def test_expert_parallel_with_tensor_parallel_shards_experts_over_ep_and_tp_rank
     assert isinstance(weight, DTensor) and weight.device_mesh.mesh_dim_names == ("ep_replicate_tp", "ep")
     assert weight.to_local().shape[0] == weight.shape[0] // 4
     assert isinstance(layer.dispatcher, AllToAllDispatcher) and layer.dispatcher.num_ranks == 2
+    tp_coordinate = ctx.rank % 2  # tp is the fastest-varying dimension: ranks [0, 1] and [2, 3] are tp groups
+    assert torch.distributed.get_process_group_ranks(layer.dispatcher.group) == [tp_coordinate, tp_coordinate + 2]
     assert layer.token_shard_group is not None
