@@ -37,8 +37,8 @@ def parallelize_experts(
     `mixed_precision`, like the dense parameters); with `tp > 1` over `ep_replicate x tp`, since each `tp` rank
     routes its own sequence shard (experts are not tensor-parallel, docs/design/0021). Each layer's
     `dispatch_config` picks the token exchange. Where that FSDP dimension has one rank (efsdp = 1) the experts are
-    not resharded after forward whatever `reshard_after_forward` says: resharding would free only a copy of this
-    rank's own shard and cost a second copy-in in backward.
+    not resharded after forward whatever `reshard_after_forward` says: resharding would free only the compute-dtype
+    copy of this rank's own shard (held until backward instead) and cost a second copy-in in backward.
     Returns the layers it changed.
 
     Raises:
@@ -48,7 +48,8 @@ def parallelize_experts(
     mesh = ctx.mesh_for(MeshDomain.EXPERT)
     group = mesh["ep"].get_group()
     shard_mesh, shard_dim = expert_shard_mesh(mesh)
-    # On one rank (efsdp = 1) resharding frees nothing worth a second copy-in per backward: keep the gathered experts.
+    # On one rank (efsdp = 1) resharding would free only the compute-dtype copy of this rank's own shard and cost a
+    # second copy-in per backward: keep it (memory: one such copy per MoE layer until backward).
     reshard = reshard_after_forward and shard_mesh[shard_dim].size() > 1
     layers: list[MoELayer] = []
     for name, module in select_modules(model, [ByRole(str(Role.MOE))]):
