@@ -1,6 +1,6 @@
 """One pipeline stage's split backward against its full backward: ops, autograd calls, host and device time.
 
-A middle stage (no embedding, no head) of the dense anchor of ../shared/reference/anchors.md: `--layers` decoder
+A middle stage (no embedding, no head) of the dense anchor (bench/anchor_models.py): `--layers` decoder
 layers (8 = a stage of the 32-layer anchor at pp=4; 4 = one of ZBV's two stages there), 1 x 4096 tokens, bf16.
 For each of full backward (`B`), input pass (`I`) and weight pass (`W`): the aten ops autograd ran (matmuls and
 attention backwards counted apart; one untimed pass under a dispatch mode), the autograd calls `W` makes, the host
@@ -30,28 +30,11 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from anchor_models import DENSE, tiny
 from d9d.models import DecoderConfig, materialize_
-from d9d.models.qwen3 import Qwen3DenseForCausalLM, Qwen3DenseParameters
+from d9d.models.qwen3 import Qwen3DenseForCausalLM
 from d9d.pipeline import PipelineStage, backward_input, backward_weight
 
-ANCHOR = {
-    "hidden_size": 1024,
-    "intermediate_size": 3072,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "rope_theta": 1e6,
-    "vocab_size": 151936,
-}
-TINY = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "rope_theta": 1e4,
-    "vocab_size": 512,
-}
 MATMULS = {"mm", "bmm", "addmm", "_grouped_mm"}
 
 
@@ -101,9 +84,8 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(os.environ.get("D9D_DEVICE", "cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    shape = TINY if args.tiny else ANCHOR
     seq = 64 if args.tiny else 4096
-    params = Qwen3DenseParameters(num_layers=3 * args.layers, **shape)
+    params = (tiny(DENSE) if args.tiny else DENSE).model_copy(update={"num_layers": 3 * args.layers})
     with torch.device("meta"):
         module = Qwen3DenseForCausalLM(params, config=DecoderConfig(), stage=PipelineStage(1, 3))
     materialize_(module, device)
