@@ -91,19 +91,19 @@ def test_pp_with_too_few_microbatches_for_the_schedule(capsys, tmp_path):
     assert "schedule dualpipe_v needs at least 2*pp=4 micro-batches per step" in err
 
 
-def test_split_backward_schedule_with_fsdp(capsys, tmp_path):
+def test_split_backward_schedule_with_tensor_parallelism(capsys, tmp_path):
+    # (with FSDP a split backward runs: tests/pipeline/test_pipeline_parity.py, pp2 x dp_shard2)
     err = _error(
-        capsys, tmp_path, "pretrain", "pretrain.nproc_per_node=4", "pretrain.degrees.pp=2",
+        capsys, tmp_path, "pretrain", "pretrain.nproc_per_node=4", "pretrain.degrees.pp=2", "pretrain.degrees.tp=2",
         "pretrain.pipeline.schedule.kind=zb_h1",
     )  # fmt: skip
-    assert "schedule zb_h1 splits backward into input and weight gradients, which FSDP (dp_shard=2)" in err
+    assert "schedule zb_h1 splits backward into input and weight gradients, which tensor parallelism (tp=2)" in err
 
 
 @pytest.mark.parametrize(
     ("first", "second", "why"),
     [
         ("pp", "cp", "no parity test covers pipelined context parallelism yet"),
-        ("ep", "tp", "experts are not tensor-parallel"),
     ],
 )
 def test_combinations_not_supported_yet(capsys, tmp_path, first, second, why):
@@ -127,15 +127,6 @@ def test_pipelined_finetune_schedules_are_checked(capsys, tmp_path):
     assert "num_layers=2 (+0 virtual) cannot fill 4 stages" in err  # the pretrained model's layers
 
 
-def test_split_backward_schedule_under_fsdp_without_sharding(capsys, tmp_path):
-    err = _error(
-        capsys, tmp_path, "pretrain", "pretrain.degrees.pp=2", "pretrain.model.parameters.num_layers=4",
-        "pretrain.pipeline.schedule.kind=zbv",
-    )  # fmt: skip
-    assert "pretrain.pipeline.schedule.kind=zbv with pretrain.data_parallel.kind=fsdp is not supported yet" in err
-    assert "use pretrain.pipeline.schedule.kind=gpipe, 1f1b or interleaved_1f1b" in err
-
-
 def test_finetune_global_batch_over_the_data_parallel_ranks_of_tp(capsys, tmp_path):
     err = _error(capsys, tmp_path, "pipeline", "finetune.nproc_per_node=4", "finetune.degrees.tp=2",
                  "finetune.global_batch_rows=6")  # fmt: skip
@@ -148,3 +139,25 @@ def test_finetune_global_batch_over_the_data_parallel_ranks_of_tp(capsys, tmp_pa
 def test_evaluate_degrees_are_checked(capsys, tmp_path):
     err = _error(capsys, tmp_path, "pipeline", "evaluate.degrees.cp=2", "evaluate.seq_len=30")
     assert "evaluate.degrees.cp=2 does not fit seq_len=30" in err
+
+
+def test_ep_with_tp_passes_the_preflight():
+    # ep x tp is supported (experts whole, ep over the data ranks of each tp coordinate; docs/design/0021), so the
+    # preflight accepts it; ep still folds over the data ranks only, not over tp.
+    from d9d.flows.jobs.degree_checks import check_topology
+    from d9d.flows.jobs.presets import preset
+    from d9d.flows.jobs.topology import RankTopology
+    from d9d.models.catalogue import Qwen3MoeModelConfig
+
+    model = Qwen3MoeModelConfig.model_validate(preset("micro-moe")["pretrain"]["model"])
+    topology = RankTopology(nproc_per_node=4, degrees={"tp": 2, "ep": 2})
+    degrees = check_topology("pretrain", topology, model, seq_len=64, microbatches_per_step=1)
+    assert (degrees.dp_shard, degrees.tp, degrees.ep) == (2, 2, 2)
+
+
+def test_ep_does_not_fold_over_tp(capsys, tmp_path):
+    err = _error(
+        capsys, tmp_path, "pretrain", "pretrain.nproc_per_node=4", "pretrain.degrees.tp=2", "pretrain.degrees.ep=4",
+        preset="micro-moe",
+    )  # fmt: skip
+    assert "ep=4 must divide dp_replicate*dp_shard*cp = 2" in err

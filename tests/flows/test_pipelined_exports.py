@@ -4,16 +4,16 @@ ranks) on the same data from the same weights: the same losses, and the exports 
 pipeline rank 0; the pipelined `model/` converts to `transformers` with the same logits.
 
 The tiny Qwen3 has 4 layers, so interleaved 1F1B (two stages per rank, looped: rank 0 holds layers 0 and 2 with the
-embedding, rank 1 layers 1 and 3 with the head) has a layer per stage, and each rank injects LoRA into two stage
-modules. Each run trains 3 steps of 4 one-row micro-batches (per
-data-parallel rank at pp=1: 2 of them).
+embedding, rank 1 layers 1 and 3 with the head) and ZBV (V placement: rank 0 holds the embedding and the head, with
+split backward) have a layer per stage, and each rank injects LoRA into two stage modules. Each run trains 3 steps
+of 4 one-row micro-batches (per data-parallel rank at pp=1: 2 of them).
 
 Tolerances (fp32; the runs differ only in summation order: FSDP's reduce-scatter over 2 ranks against the pipeline's
 micro-batch accumulation on one): losses 1e-5 relative (as the CLI parity tests), tensors 2e-5 absolute. Measured on
 the 2-core machine: losses 4.5e-8 relative at worst, tensors 1.4e-6 (pretrain model/) and 1.2e-6 (fine-tune
 adapter/, merged/, hf_peft/) absolute after 3 AdamW steps. AdamW's normalised update moves a weight by about the LR
-(3e-3) per step, so a lost gradient is off by 1e-3 (a split-backward schedule under FSDP was, see
-`degree_checks.py`), and a stage left out of an export fails the name check outright.
+(3e-3) per step, so a lost gradient is off by 1e-3 (ZBV's LoRA gradients were, before d9d-pipeline deferred FSDP's
+reduction past the weight pass), and a stage left out of an export fails the name check outright.
 """
 
 import json
@@ -53,6 +53,7 @@ TRAINING = {"steps": 3, "global_batch_rows": 4, "microbatch_rows": 1, "checkpoin
             "optimizer": {"kind": "adamw", "lr": 0.003}, "device": "cpu"}  # fmt: skip
 PP2_1F1B = ("stage.degrees.pp=2", "stage.pipeline.schedule.kind=1f1b")
 PP2_INTERLEAVED = ("stage.degrees.pp=2", "stage.pipeline.schedule.kind=interleaved_1f1b")
+PP2_ZBV = ("stage.degrees.pp=2", "stage.pipeline.schedule.kind=zbv")
 
 
 def _shards(directory: Path, seed: int) -> None:
@@ -154,6 +155,7 @@ def test_pipelined_finetune_matches_pp1_and_exports_every_stage(root):
         "ft-1f1b": _finetune(root, "ft-1f1b", checkpoint, *PP2_1F1B),
         # The same weights as safetensors: the other way a base loads, stage by stage.
         "ft-interleaved": _finetune(root, "ft-interleaved", root / "base" / "model", *PP2_INTERLEAVED),
+        "ft-zbv": _finetune(root, "ft-zbv", root / "base" / "model", *PP2_ZBV),  # split backward, under FSDP
     }
     expected = {part: _tensors(root / "ft-pp1" / part) for part in ("adapter", "merged")}
     expected_hf = load_file(root / "ft-pp1" / "hf_peft" / "adapter_model.safetensors")

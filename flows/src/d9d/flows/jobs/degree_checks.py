@@ -16,12 +16,10 @@ from d9d.models.qwen3.tensor_parallel import check_qwen3_tp_degrees
 from d9d.parallel import ReplicateConfig
 from d9d.parallel.context import check_context_parallel
 from d9d.pipeline import plan_pipeline
-from d9d.pipeline.config import SPLIT_BACKWARD_SCHEDULES
 
 # Degree pairs the libraries refuse or have no parity test for yet, and why (docs/design/0015).
 UNSUPPORTED: dict[tuple[str, str], str] = {
     ("pp", "cp"): "no parity test covers pipelined context parallelism yet",
-    ("ep", "tp"): "experts are not tensor-parallel",
 }
 
 
@@ -32,11 +30,10 @@ def check_topology(
     *,
     seq_len: int,
     microbatches_per_step: int | None,
-    training: bool = True,
 ) -> MeshDegrees:
     """Check `topology` (the `section` of a job) for `model` at `seq_len`; `microbatches_per_step` is what each
-    data-parallel rank runs per step (None: the batch check reports a batch that does not split); `training`: the
-    stage runs backward (evaluate does not). Returns the resolved degrees.
+    data-parallel rank runs per step (None: the batch check reports a batch that does not split). Returns the
+    resolved degrees.
 
     Raises:
         PreflightError: naming the field, its value and what would be valid.
@@ -54,7 +51,7 @@ def check_topology(
     if degrees.ep > 1:
         _check_experts(section, model, degrees)
     if degrees.pp > 1 and microbatches_per_step is not None:
-        _check_pipeline(section, topology, model, degrees, microbatches_per_step, training=training)
+        _check_pipeline(section, topology, model, degrees, microbatches_per_step)
     return degrees
 
 
@@ -121,13 +118,7 @@ def _check_experts(section: str, model: AnyModelConfig, degrees: MeshDegrees) ->
 
 
 def _check_pipeline(
-    section: str,
-    topology: RankTopology,
-    model: AnyModelConfig,
-    degrees: MeshDegrees,
-    microbatches: int,
-    *,
-    training: bool,
+    section: str, topology: RankTopology, model: AnyModelConfig, degrees: MeshDegrees, microbatches: int
 ) -> None:
     try:
         plan_pipeline(
@@ -136,6 +127,7 @@ def _check_pipeline(
             num_layers=model.parameters.num_layers,
             num_microbatches=microbatches,
             dp_shard=degrees.dp_shard,
+            tp=degrees.tp,
         )
     except ValueError as error:
         raise PreflightError(
@@ -143,14 +135,3 @@ def _check_pipeline(
             f"{topology.pipeline.schedule.kind} ({microbatches} micro-batches per step, "
             f"{model.parameters.num_layers} layers): {error}"
         ) from None
-    kind = topology.pipeline.schedule.kind  # after plan_pipeline: its errors name the batch and the layers
-    if training and kind in SPLIT_BACKWARD_SCHEDULES and not isinstance(topology.data_parallel, ReplicateConfig):
-        # Measured (tests/flows/test_pipelined_exports.py's setup, zbv at pp=2 x dp_shard=1): under FSDP a
-        # fine-tune's LoRA adapters got no gradient at all and pretrain's step-2 loss was 3e-3 off pp=1; the same
-        # pretrain without FSDP (replicate) equals pp=1 to 3e-8.
-        raise PreflightError(
-            f"{section}.pipeline.schedule.kind={kind} with {section}.data_parallel.kind="
-            f"{topology.data_parallel.kind} is not supported yet: the stages run under FSDP even at dp_shard=1, and "
-            "FSDP cannot follow split backward yet (the weight gradients would be lost); use "
-            f"{section}.pipeline.schedule.kind=gpipe, 1f1b or interleaved_1f1b"
-        )

@@ -416,9 +416,7 @@ def preflight(config: JobConfig) -> None:
     section = config.evaluate
     seq_len = section.seq_len or config.pretrain.seq_len
     # One micro-batch per step: a pipelined evaluation runs the schedule's forward-only program over it.
-    degrees = check_topology(
-        "evaluate", section, config.pretrain.model, seq_len=seq_len, microbatches_per_step=1, training=False
-    )
+    degrees = check_topology("evaluate", section, config.pretrain.model, seq_len=seq_len, microbatches_per_step=1)
     if section.rows_per_step % degrees.dp:
         raise PreflightError(
             f"evaluate.rows_per_step={section.rows_per_step} is not a multiple of the data-parallel size {degrees.dp} "
