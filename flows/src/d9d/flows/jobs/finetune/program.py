@@ -2,9 +2,9 @@
 
 Every rank runs the same wiring as pretrain (the catalogue's `build_model`, packed data, the task), with a PEFT
 method injected into the meta-device model (each pipeline stage's at `degrees.pp > 1`) before the parallel plan (so
-FSDP shards the adapters too), the base
-weights loaded from a job checkpoint or safetensors (d9d layout, or through `stage.base_mapping`, e.g. straight from
-a Hugging Face directory), and an optimizer over the trainable parameters only. The `Trainer` resumes from
+FSDP shards the adapters too), the adapters drawn from the stage's seed and their names (the same at any layout),
+the base weights loaded from a job checkpoint or safetensors (d9d layout, or through `stage.base_mapping`, e.g.
+straight from a Hugging Face directory), and an optimizer over the trainable parameters only. The `Trainer` resumes from
 `checkpoints` (adapter-only job checkpoints; the base is loaded first). At the end it writes into `output`:
 
 - `adapter/`: the trained parameters alone (d9d-layout safetensors), with `peft.json` (the method) beside it;
