@@ -94,11 +94,19 @@ def _left_aligned(rows: list[list[int]], pad: int, device: torch.device) -> tupl
 
 
 def _check_supported(model: nn.Module, config: GenerationConfig, decode: Callable[[list[int]], str] | None) -> None:
-    """Stop strings need `decode`. A decode step feeds one token per row, so nothing may split the sequence:
-    context parallelism (each rank holds a shard of every sequence) and sequence parallelism (tensor parallelism's
-    training layout) are refused up front; tensor parallelism with replicated activations is what generation runs."""
     if config.stop_strings and decode is None:
         raise ValueError(f"stop_strings={config.stop_strings} need a decode callback to turn tokens into text")
+    check_whole_sequences(model)
+
+
+def check_whole_sequences(model: nn.Module) -> None:
+    """Refuse a model whose ranks split sequences. A decode step feeds one token per row (and scoring any length),
+    so context parallelism (each rank holds a shard of every sequence) and sequence parallelism (tensor parallelism's
+    training layout) cannot run it; tensor parallelism with replicated activations can.
+
+    Raises:
+        NotImplementedError: naming the module that splits sequences and how to parallelize instead.
+    """
     for name, module in model.named_modules():
         where = name or "the model"
         if getattr(module, "sequence_sharded", False):
