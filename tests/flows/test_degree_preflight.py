@@ -137,3 +137,16 @@ def test_finetune_global_batch_over_the_data_parallel_ranks_of_tp(capsys, tmp_pa
 def test_evaluate_degrees_are_checked(capsys, tmp_path):
     err = _error(capsys, tmp_path, "pipeline", "evaluate.degrees.cp=2", "evaluate.seq_len=30")
     assert "evaluate.degrees.cp=2 does not fit seq_len=30" in err
+
+
+@pytest.mark.parametrize(
+    ("override", "shown"),
+    [
+        ("evaluate.degrees.cp=2", "evaluate.degrees.cp=2 (it splits every sequence over ranks"),
+        ("evaluate.degrees.pp=2", "evaluate.degrees.pp=2 (each pipeline stage holds part of the layers"),
+    ],
+)
+def test_evaluate_tasks_and_prompts_are_refused_under_cp_and_pp_naming_why(capsys, tmp_path, override, shown):
+    err = _error(capsys, tmp_path, "evaluate", override)  # the preset scores its two local tasks and prompts
+    assert "evaluate.tasks and evaluate.prompts (task scores and sample continuations) are not supported" in err
+    assert shown in err and "set evaluate.tasks=[] and evaluate.prompts=[]" in err
