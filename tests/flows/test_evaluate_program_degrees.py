@@ -41,7 +41,8 @@ def test_evaluate_under_pp_cp_and_tp_equals_data_parallel_only(job_file):  # noq
         assert abs(loss - losses["dp4"]) <= TOLERANCE * losses["dp4"], (name, losses)
 
 
-WORDS = "of man first disobedience and the fruit that forbidden tree whose mortal taste brought death into world".split()
+WORDS = "of man first disobedience and the fruit that forbidden tree whose mortal taste brought death into world"
+WORDS = WORDS.split()
 MULTIPLE_CHOICE = [
     {"context": "of man first", "choices": ["disobedience and the", "tree whose mortal"], "label": 0},
     {"context": "that forbidden", "choices": ["fruit of man", "tree whose mortal taste"], "label": 1},
@@ -64,7 +65,7 @@ def _write_downstream(root):
     tasks.mkdir()
     for name, docs in (("mc", MULTIPLE_CHOICE), ("rolling", ROLLING)):
         (tasks / f"{name}.jsonl").write_text("".join(json.dumps(doc) + "\n" for doc in docs))
-    common = f"dataset_path: json\ntest_split: test\n"
+    common = "dataset_path: json\ntest_split: test\n"
     (tasks / "d9d_test_mc.yaml").write_text(
         f"task: d9d_test_mc\n{common}dataset_kwargs:\n  data_files:\n    test: {tasks / 'mc.jsonl'}\n"
         'output_type: multiple_choice\ndoc_to_text: "{{context}}"\ndoc_to_choice: "{{choices}}"\n'

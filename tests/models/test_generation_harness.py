@@ -226,9 +226,7 @@ def test_adapter_on_a_tensor_parallel_model_equals_single_process(tmp_path):
     ctx = DistributedContext.build(MeshDegrees(tp=2))
     with torch.device("meta"):
         sharded = Qwen3DenseForCausalLM(params, config=EAGER)
-    parallelize_qwen3_dense(
-        sharded, ctx, FsdpConfig(), tensor_parallel=TensorParallelConfig(sequence_parallel=False)
-    )
+    parallelize_qwen3_dense(sharded, ctx, FsdpConfig(), tensor_parallel=TensorParallelConfig(sequence_parallel=False))
     materialize_(sharded, "cpu")
     load_model_state(tmp_path / "hf", sharded, mapper_from_huggingface_qwen3_dense(params))
     reference, _ = d9d_from_hf(hf)

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
-from tiny import DENSE_HF, EAGER, MOE_HF, d9d_from_hf, hf_dense, hf_moe
+from tiny import EAGER, d9d_from_hf, hf_dense, hf_moe
 from torch.distributed.tensor import DTensor, Replicate
 
 from d9d.core.dist import DistributedContext, MeshDegrees

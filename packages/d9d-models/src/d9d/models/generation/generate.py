@@ -137,10 +137,13 @@ def _tensor_parallel_group(model: nn.Module) -> dist.ProcessGroup | None:
 
 
 def _check_same_on_tp_ranks(
-    rows: list[list[int]], config: GenerationConfig, group: dist.ProcessGroup, device: torch.device
+    model: nn.Module, rows: list[list[int]], config: GenerationConfig, device: torch.device
 ) -> None:
-    """The ranks of a `tp` group compute one generation together: they must be given the same prompts and config
-    (a mismatch would otherwise hang or silently mix rows)."""
+    """The ranks of a tensor-parallel model's `tp` group compute one generation together: they must be given the
+    same prompts and config (a mismatch would otherwise hang or silently mix rows)."""
+    group = _tensor_parallel_group(model)
+    if group is None:
+        return
     text = repr((rows, config.model_dump(mode="json")))
     digest = torch.tensor(
         [int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")], device=device
@@ -197,9 +200,7 @@ def generate(
     _check_supported(model, config, decode)
     rows = _prompt_rows(prompts, prompt_lengths, padding_side)
     device = _model_device(model)
-    tp_group = _tensor_parallel_group(model)
-    if tp_group is not None:
-        _check_same_on_tp_ranks(rows, config, tp_group, device)
+    _check_same_on_tp_ranks(model, rows, config, device)
     ids, start = _left_aligned(rows, config.pad_token_id, device)
     batch, prompt_len = ids.shape
     max_len = prompt_len + config.max_new_tokens

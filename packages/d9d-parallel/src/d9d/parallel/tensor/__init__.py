@@ -1,5 +1,6 @@
-"""Tensor parallelism, with or without sequence parallelism: styles on a module and a 1-D `tp` mesh, vocabulary-parallel embedding and loss,
-async TP. Model plans (which module gets which style, found by name or role) live with the models."""
+"""Tensor parallelism, with or without sequence parallelism: styles on a module and a 1-D `tp` mesh,
+vocabulary-parallel embedding and loss, async TP. Model plans (which module gets which style, found by name or
+role) live with the models."""
 
 from d9d.parallel.tensor.async_tp import enable_async_tp
 from d9d.parallel.tensor.config import TensorParallelConfig

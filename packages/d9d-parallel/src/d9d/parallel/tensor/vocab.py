@@ -34,8 +34,8 @@ def parallelize_vocab_embedding(module: nn.Module, mesh: DeviceMesh, *, output: 
     `output` out: `Shard(1)` (sequence parallel; `seq` must divide by the mesh size) or `Replicate()` (any `seq`).
 
     Each rank looks up the ids of its row range (zeros elsewhere) and the partial sums are reduce-scattered along
-    the sequence (or all-reduced). `module` computes `embedding(ids, weight)` from its one parameter named `weight` (wrappers
-    included); a table split into several parameters (vocabulary segments) is refused.
+    the sequence (or all-reduced). `module` computes `embedding(ids, weight)` from its one parameter named `weight`
+    (wrappers included); a table split into several parameters (vocabulary segments) is refused.
 
     Raises:
         ValueError: `module` has no or several `weight` parameters, or its rows do not divide by the mesh size.
