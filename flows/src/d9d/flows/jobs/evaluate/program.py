@@ -40,6 +40,7 @@ from d9d.flows.jobs.launch import emit_progress, prepare_rank
 from d9d.flows.jobs.rank_wiring import (
     build_rank_model,
     data_parallel_size,
+    log_topology,
     packed_loader,
     packed_source,
     packed_task,
@@ -191,6 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         configs = [load_config(EvaluateConfig, args.config, args.overrides)]
     first = configs[0]
     with DistributedContext.build(first.degrees, device=first.device, timeout=timedelta(minutes=10)) as ctx:
+        log_topology("evaluate", first, ctx)
         evaluator: DownstreamEvaluator | None = None
         for config in configs:
             loaded = load_model(config, ctx)
