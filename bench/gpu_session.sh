@@ -65,8 +65,10 @@ for part in "$@"; do case $part in
     done ;;
   scaling)  # issue 21's FSDP scaling on the GPUs lent (1, 2, 4), compiled, same per-GPU batch
     for gpus in 0 0,1 0,1,2,3; do run $gpus 80 scaling.log bench/tensor_parallel.py --compile --steps 6 --warmup 2; done ;;
-  ep2)  # the MoE anchor on 2 GPUs: FSDP-only and ep=2
-    run 0,1 120 ep.log bench/expert_parallel.py --modes fsdp ep --steps 8 --warmup 3 --profile-steps 2 ;;
+  ep2)  # the MoE anchor: the 1-GPU figure, then FSDP-only, ep=2 and DeepEP (where installed) on 2 GPUs
+    run 0 120 ep.log bench/expert_parallel.py --modes fsdp --steps 8 --warmup 3 --profile-steps 1
+    run 0,1 ${EP_SECONDS:-240} ep.log bench/expert_parallel.py --modes fsdp ep deep_ep --steps 8 --warmup 3 \
+      --profile-steps 1 ;;
   kerneltests)  # GPU tests that use CUDA in the pytest process (after every forking test)
     timeout 170 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -m gpu tests/kernels tests/models 2>&1 \
       | tee "$out/kernel-tests.log" | tail -25 | cut -c1-300 ;;
