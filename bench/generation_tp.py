@@ -21,15 +21,14 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import distribute_tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 sys.path.insert(0, str(Path(__file__).parent))
-from generation import ANCHOR, TINY, agreement  # the one-GPU benchmark's model shapes and token agreement
-
 from d9d.core.dist import DistributedContext, MeshDegrees
 from d9d.kernels.attention import SdpaAttentionConfig
 from d9d.models import DecoderConfig, materialize_
@@ -37,11 +36,16 @@ from d9d.models.generation import GenerationConfig, generate
 from d9d.models.qwen3 import Qwen3DenseForCausalLM, Qwen3DenseParameters, parallelize_qwen3_dense
 from d9d.parallel import FsdpConfig
 from d9d.parallel.tensor import TensorParallelConfig
+from generation import ANCHOR, TINY, agreement  # the one-GPU benchmark's model shapes and token agreement
 
 
 def _model(params: Qwen3DenseParameters) -> torch.nn.Module:
     with torch.device("meta"):
         return Qwen3DenseForCausalLM(params, config=DecoderConfig(attention=SdpaAttentionConfig()))
+
+
+def _tokens(model: torch.nn.Module, ids: torch.Tensor, config: GenerationConfig) -> list[list[int]]:
+    return generate(model, ids, config).tokens
 
 
 def _timed(run: Callable[[], list[list[int]]], device: torch.device, repeats: int) -> tuple[float, list[list[int]]]:
@@ -85,6 +89,7 @@ def main() -> None:
     model = model.to(dtype).eval()
     with torch.no_grad():  # the one-rank weights, split: every rank built `single` from the same seed
         for param, whole in zip(model.parameters(), single.parameters(), strict=True):
+            assert isinstance(param, DTensor)
             param.copy_(distribute_tensor(whole.detach(), param.device_mesh, param.placements))
 
     if rank == 0:
@@ -97,7 +102,7 @@ def main() -> None:
         if rank == 0:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            seconds, expected = _timed(lambda: generate(single, ids, config).tokens, device, args.repeats)
+            seconds, expected = _timed(partial(_tokens, single, ids, config), device, args.repeats)
             peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
             print(f"| {batch} | 1 | {batch * new / seconds:,.0f} | {peak:.2f} GiB | - |", flush=True)
         else:  # the other ranks wait at rank 0's barriers, then join the tp runs
@@ -105,7 +110,7 @@ def main() -> None:
                 dist.barrier()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        seconds, tokens = _timed(lambda: generate(model, ids, config).tokens, device, args.repeats)
+        seconds, tokens = _timed(partial(_tokens, model, ids, config), device, args.repeats)
         if rank == 0:
             peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
             shown = agreement(tokens, expected)
