@@ -103,7 +103,6 @@ def test_split_backward_schedule_with_fsdp(capsys, tmp_path):
     ("first", "second", "why"),
     [
         ("pp", "cp", "no parity test covers pipelined context parallelism yet"),
-        ("ep", "tp", "experts are not tensor-parallel"),
     ],
 )
 def test_combinations_not_supported_yet(capsys, tmp_path, first, second, why):
@@ -150,3 +149,25 @@ def test_evaluate_tasks_and_prompts_are_refused_under_cp_and_pp_naming_why(capsy
     err = _error(capsys, tmp_path, "evaluate", override)  # the preset scores its two local tasks and prompts
     assert "evaluate.tasks and evaluate.prompts (task scores and sample continuations) are not supported" in err
     assert shown in err and "set evaluate.tasks=[] and evaluate.prompts=[]" in err
+
+
+def test_ep_with_tp_passes_the_preflight():
+    # ep x tp is supported (experts whole, ep over the data ranks of each tp coordinate; docs/design/0021), so the
+    # preflight accepts it; ep still folds over the data ranks only, not over tp.
+    from d9d.flows.jobs.degree_checks import check_topology
+    from d9d.flows.jobs.presets import preset
+    from d9d.flows.jobs.topology import RankTopology
+    from d9d.models.catalogue import Qwen3MoeModelConfig
+
+    model = Qwen3MoeModelConfig.model_validate(preset("micro-moe")["pretrain"]["model"])
+    topology = RankTopology(nproc_per_node=4, degrees={"tp": 2, "ep": 2})
+    degrees = check_topology("pretrain", topology, model, seq_len=64, microbatches_per_step=1)
+    assert (degrees.dp_shard, degrees.tp, degrees.ep) == (2, 2, 2)
+
+
+def test_ep_does_not_fold_over_tp(capsys, tmp_path):
+    err = _error(
+        capsys, tmp_path, "pretrain", "pretrain.nproc_per_node=4", "pretrain.degrees.tp=2", "pretrain.degrees.ep=4",
+        preset="micro-moe",
+    )  # fmt: skip
+    assert "ep=4 must divide dp_replicate*dp_shard*cp = 2" in err
