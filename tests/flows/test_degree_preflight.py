@@ -171,3 +171,9 @@ def test_ep_does_not_fold_over_tp(capsys, tmp_path):
         preset="micro-moe",
     )  # fmt: skip
     assert "ep=4 must divide dp_replicate*dp_shard*cp = 2" in err
+
+
+def test_evaluate_tasks_under_ep_with_tp_are_refused_naming_why(capsys, tmp_path):
+    err = _error(capsys, tmp_path, "evaluate", "evaluate.nproc_per_node=4", "evaluate.degrees.tp=2",
+                 "evaluate.degrees.ep=2", preset="micro-moe")  # fmt: skip
+    assert "evaluate.degrees.ep=2 (with tp, expert dispatch of whole (not sequence-parallel) activations" in err

@@ -169,3 +169,13 @@ def test_sequence_parallel_model_is_refused_and_its_checkpoint_generates(tmp_pat
     ours = generate(model, PROMPTS[0], GenerationConfig(max_new_tokens=NEW), return_logits=True)
     assert ours.tokens == expected.tokens
     torch.testing.assert_close(ours.logits, expected.logits, **FP32)
+
+
+@pytest.mark.distributed(world_size=4, timeout=300)
+def test_expert_parallel_with_the_replicated_layout_is_refused_naming_the_degrees():
+    params = qwen3_moe_parameters_from_hf({**_hf("moe").config.to_dict()})
+    ctx = DistributedContext.build(MeshDegrees(dp_shard=2, tp=2, ep=2), device="cpu")
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(params, config=EAGER)
+    with pytest.raises(NotImplementedError, match=r"ep=2 with tp=2 and sequence_parallel=False"):
+        parallelize_qwen3_moe(model, ctx, FsdpConfig(), tensor_parallel=REPLICATED_ACTIVATIONS)

@@ -430,6 +430,9 @@ def preflight(config: JobConfig) -> None:
         "pp": "each pipeline stage holds part of the layers; the adapter and generation run a whole model per rank",
     }
     refused = {name: value for name in why if (value := getattr(degrees, name)) > 1}
+    if degrees.ep > 1 and degrees.tp > 1:
+        why["ep"] = "with tp, expert dispatch of whole (not sequence-parallel) activations has no parity test yet"
+        refused["ep"] = degrees.ep
     if refused and (section.tasks or section.prompts):
         shown = ", ".join(f"evaluate.degrees.{name}={value} ({why[name]})" for name, value in refused.items())
         raise PreflightError(
