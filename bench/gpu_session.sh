@@ -11,6 +11,7 @@
 #   compile  : tp2 x dp_shard2 with compiled layers, async TP off and on
 #   pipeline : pipeline schedules at pp=4, then the GPU parity tests of every parallel style over NCCL
 #   kernels  : the kernel table and the single-GPU Trainer ablation
+#   generationtp: decoding under tp=2 (eager, compiled) next to one GPU, then the NCCL tp generation tests
 #   deepep   : build DeepEP in the background (its own session, so it outlives the call), then test it
 set -u
 out=${OUT:-/tmp/d9d-gpu}; mkdir -p "$out"
@@ -92,6 +93,11 @@ for part in "$@"; do case $part in
       | tee "$out/gpu-tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | cut -c1-200 ;;
   generation)
     timeout 470 python3 bench/generation.py 2>&1 | tee "$out/generation.log" | grep -E "^[|#]" ;;
+  generationtp)
+    run 0,1 240 generation-tp.log bench/generation_tp.py
+    run 0,1 240 generation-tp.log bench/generation_tp.py --compile
+    timeout 100 python3 -m pytest -v -p no:cacheprovider -rfE -m gpu tests/models/test_gpu_generation_tensor_parallel.py \
+      2>&1 | tee "$out/generation-tp-tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | cut -c1-200 ;;
   kernels)
     timeout 200 python3 bench/kernels.py --json "$out/kernels.json" 2>&1 | tee "$out/kernels.log" | grep -E "^[|#]"
     for flags in "--kernels eager" "--kernels triton" "--kernels triton --compile"; do
