@@ -86,7 +86,10 @@ def test_nccl_tp_generation_equals_single_gpu(family, tmp_path):
         group = dist.group.WORLD
         ours = generate(model, PROMPTS, greedy, process_group=group, return_logits=True)
         drawn = generate(model, PROMPTS, sampled, process_group=group).tokens
-        compiled = generate(model, PROMPTS, greedy.model_copy(update={"compile": True}), process_group=group).tokens
+        try:  # reported after the eager parity, so a compile failure does not hide it
+            compiled = generate(model, PROMPTS, greedy.model_copy(update={"compile": True}), process_group=group).tokens
+        except Exception as error:  # any compile failure is the finding
+            compiled = f"{type(error).__name__}: {error}"
         ctx.close()
         return ours.tokens, ours.logits.cpu(), drawn, compiled
 
@@ -96,8 +99,9 @@ def test_nccl_tp_generation_equals_single_gpu(family, tmp_path):
     reference = reference.cuda()
     expected = generate(reference, PROMPTS, greedy, return_logits=True)
     expected_drawn = generate(reference, PROMPTS, sampled).tokens
-    for tokens, logits, drawn, compiled in results:  # every rank holds the same tokens
+    for tokens, logits, drawn, _ in results:  # every rank holds the same tokens
         assert tokens == expected.tokens
         torch.testing.assert_close(logits, expected.logits.cpu(), atol=1e-4, rtol=1e-4)
         assert drawn == expected_drawn
+    for *_, compiled in results:
         assert compiled == expected.tokens
