@@ -41,7 +41,9 @@ def _train(kind: str, bf16: bool, steps: int = STEPS) -> tuple[list[float], list
     if bf16 and kind == "fsdp":
         cast_parameters_(model, torch.bfloat16)  # the same stored dtype as the single-device path
     precision = MixedPrecisionConfig() if bf16 else None
-    config = SingleDeviceConfig(mixed_precision=precision) if kind == "single" else FsdpConfig(mixed_precision=precision)
+    config = (
+        SingleDeviceConfig(mixed_precision=precision) if kind == "single" else FsdpConfig(mixed_precision=precision)
+    )
     sync = parallelize_qwen3_dense(model, ctx, config)
     torch.manual_seed(0)
     materialize_(model, "cpu")

@@ -45,7 +45,9 @@ class SingleDeviceGradientSync:
         """Nothing to reduce: the gradients are complete when backward returns."""
 
 
-def parallelize_single_device(module: nn.Module, *, mixed_precision: MixedPrecision | None = None) -> SingleDeviceGradientSync:
+def parallelize_single_device(
+    module: nn.Module, *, mixed_precision: MixedPrecision | None = None
+) -> SingleDeviceGradientSync:
     """Prepare `module` for training on one data-parallel rank (see the module doc); returns its gradient sync."""
     policy = mixed_precision or MixedPrecision()
     if policy.param_dtype is not None:

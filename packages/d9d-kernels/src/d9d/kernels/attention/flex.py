@@ -32,7 +32,6 @@ def _flex_attention(device: torch.device) -> Callable[..., Any]:
     return _COMPILED[0]
 
 
-@torch.compiler.disable  # built once per forward pass, outside any compiled layer (a graph break, not a retrace)
 def block_mask_for(mask: AttentionMask, batch: int, seq_len: int, device: torch.device) -> Any:
     """The `BlockMask` of `mask` for `(batch, seq_len)` on `device`, cached on `mask`."""
     from torch.nn.attention.flex_attention import create_block_mask
@@ -60,6 +59,12 @@ def block_mask_for(mask: AttentionMask, batch: int, seq_len: int, device: torch.
     return mask.derived(f"flex:{batch}:{seq_len}:{device}", build)
 
 
+# Built once per forward pass and run eagerly even inside a compiled layer (a graph break, not a retrace per mask).
+_eager_block_mask_for: Callable[[AttentionMask, int, int, torch.device], Any] = torch.compiler.disable(  # type: ignore[no-untyped-call]  # untyped in torch
+    block_mask_for
+)
+
+
 class FlexAttention:
     name = "flex"
 
@@ -74,7 +79,7 @@ class FlexAttention:
         if not mask.causal and mask.document_ids is None:
             block_mask = None
         else:
-            block_mask = block_mask_for(mask, batch, seq_len, query.device)
+            block_mask = _eager_block_mask_for(mask, batch, seq_len, query.device)
         out = _flex_attention(query.device)(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=groups > 1)
         assert isinstance(out, torch.Tensor)
         return out.transpose(1, 2)
