@@ -44,6 +44,8 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
+from anchor_models import DENSE, DENSE_BATCH, MOE, MOE_BATCH, PEAK_TFLOPS, flops_per_token
+from anchor_models import tiny as _tiny
 from d9d.core.dist import DistributedContext, MeshDegrees
 from d9d.core.dist.domains import MeshDomain
 from d9d.core.loop import (
@@ -70,8 +72,8 @@ from d9d.models.qwen3 import (
     parallelize_qwen3_moe,
 )
 from d9d.parallel import FsdpConfig, MixedPrecisionConfig, SingleDeviceConfig, cast_parameters_, clip_grad_norm_
-from model_step import BATCH, DENSE, MOE, PEAK_TFLOPS, TINY, flops_per_token
 
+BATCH = {"dense": DENSE_BATCH, "moe": MOE_BATCH}
 DType = Literal["float32", "bfloat16"]
 
 
@@ -193,7 +195,7 @@ def run_row(
     params: Qwen3DenseParameters = MOE if model_name == "moe" else DENSE
     rows, seq = (2, 64) if tiny else BATCH[model_name]
     if tiny:
-        params = params.model_copy(update={k: v for k, v in TINY.items() if k in type(params).model_fields})
+        params = _tiny(params)
     dp = ctx.world_size
     precision = MixedPrecisionConfig(param_dtype="bfloat16", reduce_dtype=row.grad_dtype)
     fused_step = row.weights == "bf16" and device_type == "cuda"
