@@ -1,9 +1,9 @@
 """Loss-curve check of a fast configuration against the baseline: the same model, seed and data, N steps each.
 
-Both runs go through `bench/trainer_step.py`'s `run_row` (the Trainer, synthetic uniform tokens from the same seed,
-the same initial weights). Uniform random tokens have nothing to learn beyond the unigram distribution, so a
-learning rate of 1e-3 (not the ablation's 1e-4) makes the curve fall visibly from ln(vocab) within the first steps
-and any numerical drift of the fast path show. The report: the maximum over steps of |loss_fast - loss_base| /
+Both runs go through `bench/trainer_step.py`'s `run_row` (the Trainer, the same initial weights, the same data). Fresh
+uniform random tokens have nothing to learn (the loss sits at ln(vocab)), so the data cycles over `--pool` fixed
+global batches (default 4), which the model memorises at the learning rate 1e-3: the curve falls far and any
+numerical drift of the fast path shows. The report: the maximum over steps of |loss_fast - loss_base| /
 loss_base, the same for a 10-step moving average (what a training curve shows), and the final losses.
 
     python bench/loss_curve.py --model dense                  # 200 steps: baseline vs the ablation's "all" row
@@ -35,6 +35,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--fast", type=int, default=6, help="index of the ablation row to check (default: 'all')")
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--pool", type=int, default=4, help="global batches the data cycles over")
     parser.add_argument("--tolerance", type=float, default=0.02, help="max relative deviation of the smoothed curve")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true")
@@ -45,7 +46,9 @@ def main() -> None:
     fast_row = ABLATION[args.fast]
     curves = {}
     for row in (BASELINE, fast_row):
-        measured = run_row(ctx, row, model_name=args.model, warmup=0, steps=args.steps, tiny=args.tiny, lr=args.lr)
+        measured = run_row(
+            ctx, row, model_name=args.model, warmup=0, steps=args.steps, tiny=args.tiny, lr=args.lr, data_pool=args.pool
+        )
         curves[row.name] = measured.losses
     base, fast = curves[BASELINE.name], curves[fast_row.name]
     raw = max_relative_deviation(fast, base)
