@@ -21,7 +21,11 @@ from torch.distributed.tensor import DTensor
 
 from d9d.core.dist import DistributedContext, MeshDegrees
 from d9d.core.optim import StochasticAdamW
-from d9d.models import materialize_
+from d9d.core.testing import run_on_ranks
+from d9d.kernels.adamw import register_triton_stochastic_adamw
+from d9d.kernels.attention import ATTENTION_CONFIG_ADAPTER
+from d9d.models import DecoderConfig, materialize_
+from d9d.models.blocks.compilation import compile_model
 from d9d.models.qwen3 import Qwen3DenseForCausalLM, Qwen3DenseParameters, parallelize_qwen3_dense
 from d9d.parallel import FsdpConfig, MixedPrecisionConfig, SingleDeviceConfig, cast_parameters_, clip_grad_norm_
 
@@ -34,10 +38,19 @@ PARAMS = Qwen3DenseParameters(
 STEPS = 8
 
 
-def _train(kind: str, bf16: bool, steps: int = STEPS) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
-    ctx = DistributedContext.build(MeshDegrees(), device="cpu")
+def _train(
+    kind: str,
+    bf16: bool,
+    steps: int = STEPS,
+    *,
+    device: str = "cpu",
+    params: Qwen3DenseParameters = PARAMS,
+    decoder: DecoderConfig | None = None,
+    whole_model_compile: bool = False,
+) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    ctx = DistributedContext.build(MeshDegrees(), device=device)
     with torch.device("meta"):
-        model = Qwen3DenseForCausalLM(PARAMS)
+        model = Qwen3DenseForCausalLM(params, config=decoder or DecoderConfig())
     if bf16 and kind == "fsdp":
         cast_parameters_(model, torch.bfloat16)  # the same stored dtype as the single-device path
     precision = MixedPrecisionConfig() if bf16 else None
@@ -46,16 +59,21 @@ def _train(kind: str, bf16: bool, steps: int = STEPS) -> tuple[list[float], list
     )
     sync = parallelize_qwen3_dense(model, ctx, config)
     torch.manual_seed(0)
-    materialize_(model, "cpu")
+    materialize_(model, device)
+    if whole_model_compile:
+        compile_model(model)
     if bf16:
-        optimizer = StochasticAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, seed=1)
+        fused = device == "cuda"  # the Triton step of d9d-kernels on GPUs, the PyTorch reference on CPU
+        if fused:
+            register_triton_stochastic_adamw()
+        optimizer = StochasticAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, seed=1, fused=fused)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     generator = torch.Generator().manual_seed(2)
     losses, norms = [], []
-    pool = [torch.randint(0, PARAMS.vocab_size, (2, 16), generator=generator) for _ in range(2)]  # learnable
+    pool = [torch.randint(0, params.vocab_size, (2, 16), generator=generator) for _ in range(2)]  # learnable
     for step in range(steps):
-        ids = pool[step % 2]
+        ids = pool[step % 2].to(device)
         sync.begin_step(1)
         loss = model(ids, labels=torch.roll(ids, -1, dims=1)).losses.sum() / ids.numel()
         loss.backward()
@@ -123,3 +141,31 @@ def test_bf16_weights_with_stochastic_adamw_follow_the_float32_master_run():
     deviation = max(abs(a - b) / abs(b) for a, b in zip(low, master, strict=True))
     assert deviation < 3e-2, f"max relative loss deviation {deviation:.3%} over 30 steps"
     assert master[-1] < master[0] * 0.9  # the run learns something, so following it means something
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["sdpa", "cudnn", "flex"])
+@pytest.mark.parametrize("whole_model_compile", [False, True], ids=["eager", "compiled"])
+def test_gpu_levers_follow_the_float32_fsdp_run(attention, whole_model_compile):
+    # bench/trainer_step.py's combined row at a tiny size: no FSDP, bf16 weights with the fused Triton stochastic
+    # AdamW step, an attention backend, optionally the whole model compiled; against float32 FSDP with SDPA. Same 3%
+    # over 30 steps as the CPU test above (bfloat16 compute noise; attention kernels differ in summation order only).
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    params = PARAMS.model_copy(update={"hidden_size": 64, "head_dim": 32})  # flex and cuDNN want head_dim >= 16
+    decoder = DecoderConfig(attention=ATTENTION_CONFIG_ADAPTER.validate_python({"kind": attention}))
+
+    def fast():
+        return _train(
+            "single", True, 30, device="cuda", params=params, decoder=decoder, whole_model_compile=whole_model_compile
+        )[0]
+
+    def reference():
+        torch.backends.cuda.matmul.allow_tf32 = False
+        return _train("fsdp", False, 30, device="cuda", params=params)[0]
+
+    low = run_on_ranks(1, fast, init_process_group=False, timeout_seconds=600)[0]
+    master = run_on_ranks(1, reference, init_process_group=False, timeout_seconds=600)[0]
+    deviation = max(abs(a - b) / abs(b) for a, b in zip(low, master, strict=True))
+    print(f"{attention}, compiled={whole_model_compile}: max relative loss deviation {deviation:.3%}")
+    assert deviation < 3e-2 and master[-1] < master[0] * 0.9, (low, master)
