@@ -10,6 +10,8 @@
 #   kerneltests: GPU tests in the pytest process (kernels at real sizes, models); run after forking parts
 #   compile  : tp2 x dp_shard2 with compiled layers, async TP off and on
 #   pipeline : pipeline schedules at pp=4, then the GPU parity tests of every parallel style over NCCL
+#   pipeline2: one stage's split backward against its full backward (ops, calls, host/device ms; 1 GPU), then
+#              1F1B, ZBV and DualPipeV at pp=2 (2 GPUs), the anchor's 32 layers with 16 micro-batches
 #   kernels  : the kernel table and the single-GPU Trainer ablation
 #   ablation : bench/trainer_step.py --ablation dense, then moe (each lever alone, then all combined)
 #   losscurve: bench/loss_curve.py, 200 steps of the baseline vs the combined configuration
@@ -87,6 +89,12 @@ for part in "$@"; do case $part in
     # One launch per schedule so that one failure keeps the others' rows.
     for schedule in 1f1b interleaved_1f1b zbv dualpipe_v; do
       run 0,1,2,3 ${PIPE_SECONDS:-100} pp.log bench/pipeline_schedules.py --schedules $schedule --steps 5 --warmup 2 \
+        --profile-steps 1
+    done ;;
+  pipeline2)
+    for layers in 8 4; do run 0 100 pp2.log bench/pipeline_split_backward.py --layers $layers; done
+    for schedule in 1f1b zbv dualpipe_v; do
+      run 0,1 ${PIPE_SECONDS:-120} pp2.log bench/pipeline_schedules.py --schedules $schedule --steps 5 --warmup 2 \
         --profile-steps 1
     done ;;
   gputests)

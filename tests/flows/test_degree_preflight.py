@@ -91,12 +91,13 @@ def test_pp_with_too_few_microbatches_for_the_schedule(capsys, tmp_path):
     assert "schedule dualpipe_v needs at least 2*pp=4 micro-batches per step" in err
 
 
-def test_split_backward_schedule_with_fsdp(capsys, tmp_path):
+def test_split_backward_schedule_with_tensor_parallelism(capsys, tmp_path):
+    # (with FSDP a split backward runs: tests/pipeline/test_pipeline_parity.py, pp2 x dp_shard2)
     err = _error(
-        capsys, tmp_path, "pretrain", "pretrain.nproc_per_node=4", "pretrain.degrees.pp=2",
+        capsys, tmp_path, "pretrain", "pretrain.nproc_per_node=4", "pretrain.degrees.pp=2", "pretrain.degrees.tp=2",
         "pretrain.pipeline.schedule.kind=zb_h1",
     )  # fmt: skip
-    assert "schedule zb_h1 splits backward into input and weight gradients, which FSDP (dp_shard=2)" in err
+    assert "schedule zb_h1 splits backward into input and weight gradients, which tensor parallelism (tp=2)" in err
 
 
 @pytest.mark.parametrize(
