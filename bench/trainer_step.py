@@ -366,7 +366,6 @@ def main() -> None:
             result = run_row(ctx, row, model_name=args.model, warmup=warmup, steps=steps, tiny=args.tiny)
         except Exception as error:
             failed = True
-            release_memory(ctx.device)
             if ctx.is_main_process:
                 print(
                     f"| {row.name} ({row.describe()}) | failed: {type(error).__name__}: {str(error)[:300]} |",
@@ -374,6 +373,9 @@ def main() -> None:
                 )
             if not args.ablation:
                 raise
+            result = None
+        if result is None:
+            release_memory(ctx.device)  # after the except block: its traceback held the failed row's tensors
             continue
         if ctx.is_main_process:
             print(
