@@ -14,6 +14,8 @@
 #              1F1B, ZBV and DualPipeV at pp=2 (2 GPUs), the anchor's 32 layers with 16 micro-batches
 #   kernels  : the kernel table and the single-GPU Trainer ablation
 #   generationtp: decoding under tp=2 (eager, compiled) next to one GPU, then the NCCL tp generation tests
+#   ablation : bench/trainer_step.py --ablation dense, then moe (each lever alone, then all combined)
+#   losscurve: bench/loss_curve.py, 200 steps of the baseline vs the combined configuration
 #   deepep   : build DeepEP in the background (its own session, so it outlives the call), then test it
 set -u
 out=${OUT:-/tmp/d9d-gpu}; mkdir -p "$out"
@@ -112,6 +114,13 @@ for part in "$@"; do case $part in
       run 0 120 trainer.log bench/trainer_step.py --model dense $flags; done
     for flags in "--kernels eager" "--kernels triton"; do
       run 0 100 trainer.log bench/trainer_step.py --model moe $flags; done ;;
+  ablation)  # the single-GPU levers of issue 17, rows back to back per model (ABLATION_ROWS=0,3,6 picks rows)
+    for model in ${ABLATION_MODELS:-dense moe}; do
+      run 0 ${ABLATION_SECONDS:-290} ablation.log bench/trainer_step.py --ablation $model \
+        ${ABLATION_ROWS:+--rows $ABLATION_ROWS}; done ;;
+  losscurve)  # 200 steps of the baseline and the "all" row (LOSS_ROW=index), max relative loss-curve deviation
+    for model in ${LOSS_MODELS:-dense}; do
+      run 0 ${LOSS_SECONDS:-290} losscurve.log bench/loss_curve.py --model $model --fast ${LOSS_ROW:-6}; done ;;
   deepep)
     if [ -f /tmp/deepep.done ]; then tail -20 /tmp/deepep.log; cp /tmp/deepep.log "$out/"
       python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/parallel/test_gpu_expert_dispatch.py 2>&1 | tail -8
