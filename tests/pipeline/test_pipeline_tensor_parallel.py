@@ -15,16 +15,26 @@ docs/parallelism.md.
 import pytest
 import torch
 import torch.distributed as dist
-from pipeline_workload import all_ranks_max, build_meta, context, max_param_error, max_relative, pipelined_run
+from pipeline_workload import (
+    all_ranks_max,
+    build_meta,
+    context,
+    load_initial,
+    max_param_error,
+    max_relative,
+    pipelined_run,
+)
 from pipeline_workload import shared_reference as reference_of
 from test_pipeline_parity import SCHEDULES
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
 
 from d9d.core.dist import DistributedContext
 from d9d.models import materialize_
 from d9d.models.qwen3 import parallelize_qwen3_dense
 from d9d.parallel import FsdpConfig
-from d9d.pipeline import PipelineConfig, PipelineStage, plan_pipeline
+from d9d.pipeline import PipelineConfig, PipelineStage, backward_input, backward_weight, plan_pipeline
+from d9d.pipeline.runtime.fsdp_reduction import DeferredReduction, fsdp_roots
 
 STEPS, ROWS = 10, 8
 LOSS_RTOL, NORM_RTOL, PARAM_ATOL = 2e-5, 1e-5, 2e-5
@@ -46,7 +56,7 @@ def _check(ctx: DistributedContext, schedule: str) -> None:
         assert params < PARAM_ATOL
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipe_v"])
 @pytest.mark.distributed(world_size=4, timeout=600)
 def test_pp2_tp2_matches_single_process(schedule):
     _check(context(pp=2, tp=2), schedule)
@@ -77,9 +87,50 @@ def test_a_tp_stage_holds_a_tp_share_and_hands_over_its_sequence_shard():
     assert type(out) is torch.Tensor and out.shape == (1, 4, 32)
 
 
-def test_split_backward_schedules_with_tp_are_refused_before_ranks_start():
+@pytest.mark.distributed(world_size=2, timeout=300)
+def test_split_backward_under_tp_runs_the_tp_collectives_in_the_input_pass():
+    """What a split backward must do under tensor + sequence parallelism, on a middle stage (2 layers) under FSDP as
+    the executor runs it: the input pass (`I`) runs every tp collective's backward (the reduce-scatter of each region
+    entry's all-gather, the all-gather of each row-parallel reduce-scatter, two of each per layer: they sit on
+    the path to the stage input), the weight pass (`W`) runs none (each DTensor weight's gradient is a local matmul of the saved
+    activation and the captured gradient), and the gradients it leaves equal one full backward's. The counts are
+    exact (DTensor's collectives, as `CommDebugMode` sees them); the gradients differ by rounding only (fp32, the
+    same ops, 1e-6)."""
+    ctx = context(pp=1, tp=2)
+    torch.manual_seed(0)
+    hidden = torch.randn(1, 8, 32)[:, 4 * ctx.rank : 4 * ctx.rank + 4]  # this tp rank's sequence shard
+    grad_out = torch.randn(1, 8, 32)[:, 4 * ctx.rank : 4 * ctx.rank + 4]
+    module = build_meta("dense", PipelineStage(1, 4))
+    parallelize_qwen3_dense(module, ctx, FsdpConfig())
+    materialize_(module, ctx.device)
+    load_initial(module, "dense")
+    layers = len(module.model.layers)
+
+    out = module(None, hidden_states=hidden.clone().requires_grad_(True)).hidden_states
+    out.backward(grad_out)
+    expected = {name: param.grad.full_tensor().clone() for name, param in module.named_parameters()}
+    module.zero_grad(set_to_none=True)
+
+    reduction = DeferredReduction(fsdp_roots(module))
+    reduction.begin()
+    x = hidden.clone().requires_grad_(True)
+    out = module(None, hidden_states=x).hidden_states
+    with CommDebugMode() as input_pass:
+        (input_grad,), work = backward_input([out], [grad_out], [x])
+    del out
+    with CommDebugMode() as weight_pass:
+        backward_weight(work)
+    reduction.finish()
+    gathers = input_pass.get_comm_counts()[torch.ops.c10d_functional.all_gather_into_tensor]
+    scatters = input_pass.get_comm_counts()[torch.ops.c10d_functional.reduce_scatter_tensor]
+    assert input_grad is not None and gathers == scatters == 2 * layers, dict(input_pass.get_comm_counts())
+    assert weight_pass.get_total_counts() == 0, dict(weight_pass.get_comm_counts())
+    for name, param in module.named_parameters():
+        torch.testing.assert_close(param.grad.full_tensor(), expected[name], atol=1e-6, rtol=0)
+
+
+def test_split_backward_schedules_with_tp_plan_before_ranks_start():
     for kind in ("zb_h1", "zbv", "dualpipe_v"):
-        config = PipelineConfig(schedule=SCHEDULES[kind])
-        with pytest.raises(ValueError, match=rf"schedule {kind} splits backward.*tensor parallelism \(tp=2\)"):
-            plan_pipeline(config, pp=2, num_layers=8, num_microbatches=8, tp=2)
-    plan_pipeline(PipelineConfig(schedule=SCHEDULES["1f1b"]), pp=2, num_layers=8, num_microbatches=8, tp=2)
+        plan_pipeline(PipelineConfig(schedule=SCHEDULES[kind]), pp=2, num_layers=8, num_microbatches=8, tp=2)
+    with pytest.raises(ValueError, match=r"tp=0 must be at least 1"):
+        plan_pipeline(PipelineConfig(schedule=SCHEDULES["zbv"]), pp=2, num_layers=8, num_microbatches=8, tp=0)

@@ -56,7 +56,6 @@ AnyScheduleConfig = Annotated[
     GPipeConfig | OneFOneBConfig | Interleaved1F1BConfig | ZeroBubbleH1Config | ZeroBubbleVConfig | DualPipeVConfig,
     Field(discriminator="kind"),
 ]
-SPLIT_BACKWARD_SCHEDULES = frozenset({"zb_h1", "zbv", "dualpipe_v"})
 
 
 class PipelineConfig(BaseModel):
@@ -150,12 +149,14 @@ def plan_pipeline(
 ) -> PipelinePlan:
     """Check a pipeline before any rank starts (a launcher calls this); raises `ValueError` naming the values.
 
-    Checks: micro-batches per step that the schedule can run, a layer count every stage can get a share of (equal
-    shares when `even_split`), and no split-backward schedule with tensor parallelism (`tp > 1`: not covered by a
-    parity test yet, design note 0016). FSDP (`dp_shard > 1`) works with every schedule (docs/pipeline.md).
+    Checks: micro-batches per step that the schedule can run, and a layer count every stage can get a share of
+    (equal shares when `even_split`). Every schedule, the split-backward ones included, composes with FSDP
+    (`dp_shard`), tensor parallelism (`tp`) and context parallelism, each covered by a parity test
+    (docs/pipeline.md, design note 0016); `dp_shard` and `tp` are only checked to be degrees.
     """
-    if pp < 1:
-        raise ValueError(f"pp={pp} must be at least 1")
+    for name, value in (("pp", pp), ("dp_shard", dp_shard), ("tp", tp)):
+        if value < 1:
+            raise ValueError(f"{name}={value} must be at least 1")
     layout_stages = stages_per_rank(config.schedule)
     kind = config.schedule.kind
     layout = StageLayout(pp, layout_stages, _placement(kind))
@@ -170,12 +171,6 @@ def plan_pipeline(
             f"num_layers={num_layers} with virtual_layers_pre={config.virtual_layers_pre} and "
             f"virtual_layers_post={config.virtual_layers_post} gives {slots} layer slots, not divisible by "
             f"{layout.num_stages} stages (pp={pp} x {layout_stages} for {kind}); even_split asks for equal shares"
-        )
-    if tp > 1 and kind in SPLIT_BACKWARD_SCHEDULES:
-        raise ValueError(
-            f"schedule {kind} splits backward into input and weight gradients, which tensor parallelism (tp={tp}) "
-            "cannot follow yet: tp runs under FSDP, whose post-backward reduction fires before the weight gradients "
-            "exist; use gpipe, 1f1b or interleaved_1f1b with tp > 1"
         )
     plan = PipelinePlan(config=config, layout=layout, num_layers=num_layers)
     plan.program(num_microbatches)  # builds and validates: any schedule bug fails here, before ranks start
