@@ -91,28 +91,46 @@ def test_pp_with_too_few_microbatches_for_the_schedule(capsys, tmp_path):
     assert "schedule dualpipe_v needs at least 2*pp=4 micro-batches per step" in err
 
 
-def test_split_backward_schedule_with_tensor_parallelism(capsys, tmp_path):
-    # (with FSDP a split backward runs: tests/pipeline/test_pipeline_parity.py, pp2 x dp_shard2)
-    err = _error(
-        capsys, tmp_path, "pretrain", "pretrain.nproc_per_node=4", "pretrain.degrees.pp=2", "pretrain.degrees.tp=2",
-        "pretrain.pipeline.schedule.kind=zb_h1",
-    )  # fmt: skip
-    assert "schedule zb_h1 splits backward into input and weight gradients, which tensor parallelism (tp=2)" in err
-
-
 @pytest.mark.parametrize(
-    ("first", "second", "why"),
+    ("degrees", "schedule"),
     [
-        ("pp", "cp", "no parity test covers pipelined context parallelism yet"),
+        ({"pp": 2, "tp": 2}, "zb_h1"),
+        ({"pp": 2, "tp": 2}, "zbv"),
+        ({"pp": 2, "cp": 2}, "1f1b"),
+        ({"pp": 2, "cp": 2}, "zbv"),
     ],
 )
-def test_combinations_not_supported_yet(capsys, tmp_path, first, second, why):
+def test_pipelines_with_tp_or_cp_pass_the_preflight(degrees, schedule):
+    # Parity: tests/pipeline/test_pipeline_tensor_parallel.py (every schedule, pp2 x tp2) and
+    # tests/pipeline/test_pipeline_context_parallel.py (pp2 x cp2).
+    from d9d.flows.jobs.degree_checks import check_topology
+    from d9d.flows.jobs.presets import preset
+    from d9d.flows.jobs.topology import RankTopology
+    from d9d.models.catalogue import Qwen3MoeModelConfig
+
+    raw = preset("micro-moe")["pretrain"]["model"]
+    model = Qwen3MoeModelConfig.model_validate({**raw, "parameters": {**raw["parameters"], "num_layers": 4}})
+    topology = RankTopology(nproc_per_node=4, degrees=degrees, pipeline={"schedule": {"kind": schedule}})
+    resolved = check_topology("pretrain", topology, model, seq_len=64, microbatches_per_step=4)
+    assert (resolved.pp, resolved.tp, resolved.cp, resolved.dp_shard) == (
+        2,
+        degrees.get("tp", 1),
+        degrees.get("cp", 1),
+        1,
+    )
+
+
+def test_combinations_not_supported_yet_are_refused_naming_both_degrees(capsys, tmp_path, monkeypatch):
+    # Every pair of degrees runs today (UNSUPPORTED is empty); a pair listed there is refused before any rank starts.
+    from d9d.flows.jobs import degree_checks
+
+    monkeypatch.setitem(degree_checks.UNSUPPORTED, ("pp", "cp"), "a reason")
     err = _error(
-        capsys, tmp_path, "pretrain", "pretrain.nproc_per_node=4", f"pretrain.degrees.{first}=2",
-        f"pretrain.degrees.{second}=2", preset="micro-moe",
+        capsys, tmp_path, "pretrain", "pretrain.nproc_per_node=4", "pretrain.degrees.pp=2", "pretrain.degrees.cp=2",
+        preset="micro-moe",
     )  # fmt: skip
-    assert f"pretrain.degrees.{first}=2 with pretrain.degrees.{second}=2 is not supported yet ({why}" in err
-    assert f"set pretrain.degrees.{first}=1 or pretrain.degrees.{second}=1" in err
+    assert "pretrain.degrees.pp=2 with pretrain.degrees.cp=2 is not supported yet (a reason)" in err
+    assert "set pretrain.degrees.pp=1 or pretrain.degrees.cp=1" in err
 
 
 def test_finetune_degrees_are_checked_against_the_pretrained_model(capsys, tmp_path):

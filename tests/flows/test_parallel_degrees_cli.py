@@ -7,8 +7,8 @@ loss curves must agree. Tolerance: relative 1e-5 per step over the 8 steps (4 fo
 only in float32 summation order (tp splits the matmul reductions and the vocabulary-parallel loss; cp sums attention
 blocks with an online softmax; pp accumulates micro-batches stage by stage; ep sums expert outputs per rank);
 measured on the 2-core machine: tp2 2.0e-8, cp2 3.1e-8, pp2 (1F1B) 2.0e-8, ep2 2.0e-8, fine-tune tp2 4.1e-8
-relative at worst (pp2 x tp2 passes the same bound), so 1e-5 leaves room for another summation order while a wrong
-token weighting (1/cp, 1/dp) or a missed shard fails it.
+relative at worst (pp2 x tp2 and pp2 x cp2 pass the same bound), so 1e-5 leaves room for another summation order
+while a wrong token weighting (1/cp, 1/dp) or a missed shard fails it.
 
 These are the slowest flow tests (a Prefect API and a torchrun launch of 4 ranks per run): few and short.
 """
@@ -77,6 +77,11 @@ def dense_baseline(workdir):
             "pp2tp2",
             ["pretrain.degrees.pp=2", "pretrain.degrees.tp=2"],
             "pp=2, dp_replicate=1, dp_shard=1, cp=1, tp=2, ep=1, pipeline schedule 1f1b",
+        ),
+        (
+            "pp2cp2",
+            ["pretrain.degrees.pp=2", "pretrain.degrees.cp=2"],
+            "pp=2, dp_replicate=1, dp_shard=1, cp=2, tp=1, ep=1, pipeline schedule 1f1b",
         ),
     ],
 )

@@ -1,9 +1,9 @@
 """pp=2 x tp=2 (4 gloo ranks): tiny Qwen3 dense and Qwen3-MoE (router z-loss; each tp rank's load-balancing loss
-is its sequence shard's, see `AUX_LOSSES`), pipelined with tensor + sequence parallelism in every
-stage, trained 10 steps with 8 one-row micro-batches through the core Trainer, equal single-process training on
-the same global batch. Each tp rank sends its sequence shard `(1, seq / 2, hidden)` to the same tp rank of the next
-stage; tp runs under FSDP over a data-parallel mesh of one (FSDP reduces the replicated norms' tensor-parallel
-gradients).
+is its sequence shard's, see `AUX_LOSSES`), pipelined with tensor + sequence parallelism in every stage, trained 10
+steps with 8 one-row micro-batches through the core Trainer under every schedule but GPipe (the split-backward ones,
+ZB-H1, ZBV and DualPipeV, included), equal single-process training on the same global batch. Each tp rank sends its
+sequence shard `(1, seq / 2, hidden)` to the same tp rank of the next stage; tp runs under FSDP over a
+data-parallel mesh of one (FSDP reduces the replicated norms' tensor-parallel gradients).
 
 Tolerances (float32): besides the pipeline's reordering (see test_pipeline_parity.py), tensor parallelism sums in
 another order (vocabulary-parallel log-sum-exp, row-parallel reduce-scatters, the norm over tp shards), a few ulps
@@ -91,11 +91,11 @@ def test_a_tp_stage_holds_a_tp_share_and_hands_over_its_sequence_shard():
 def test_split_backward_under_tp_runs_the_tp_collectives_in_the_input_pass():
     """What a split backward must do under tensor + sequence parallelism, on a middle stage (2 layers) under FSDP as
     the executor runs it: the input pass (`I`) runs every tp collective's backward (the reduce-scatter of each region
-    entry's all-gather, the all-gather of each row-parallel reduce-scatter, two of each per layer: they sit on
-    the path to the stage input), the weight pass (`W`) runs none (each DTensor weight's gradient is a local matmul of the saved
-    activation and the captured gradient), and the gradients it leaves equal one full backward's. The counts are
-    exact (DTensor's collectives, as `CommDebugMode` sees them); the gradients differ by rounding only (fp32, the
-    same ops, 1e-6)."""
+    entry's all-gather, the all-gather of each row-parallel reduce-scatter, two of each per layer: they sit on the
+    path to the stage input), the weight pass (`W`) runs none (each DTensor weight's gradient is a local matmul of
+    the saved activation and the captured gradient), and the gradients it leaves equal one full backward's. The
+    counts are exact (DTensor's collectives, as `CommDebugMode` sees them); the gradients differ by rounding only
+    (fp32, the same ops, 1e-6)."""
     ctx = context(pp=1, tp=2)
     torch.manual_seed(0)
     hidden = torch.randn(1, 8, 32)[:, 4 * ctx.rank : 4 * ctx.rank + 4]  # this tp rank's sequence shard

@@ -17,10 +17,9 @@ from d9d.parallel import ReplicateConfig
 from d9d.parallel.context import check_context_parallel
 from d9d.pipeline import plan_pipeline
 
-# Degree pairs the libraries refuse or have no parity test for yet, and why (docs/design/0015).
-UNSUPPORTED: dict[tuple[str, str], str] = {
-    ("pp", "cp"): "no parity test covers pipelined context parallelism yet",
-}
+# Degree pairs the libraries refuse or have no parity test for yet, and why (docs/design/0015). Empty since pp x cp got
+# its parity test (tests/pipeline/test_pipeline_context_parallel.py, design note 0016): every pair of degrees runs.
+UNSUPPORTED: dict[tuple[str, str], str] = {}
 
 
 def check_topology(
