@@ -162,8 +162,7 @@ def test_swiglu_tunes_once_per_size_class_not_per_row_count():
     """Expert parallelism hands the grouped experts a different row count every step and layer; each new
     autotuning key benchmarks every config (about 0.1 s each), which made ep=2 on the MoE anchor 50x slower than
     FSDP. Twenty row counts of one power-of-two size class must tune at most once."""
-    from d9d.kernels.swiglu import TritonSwiGlu
-    from d9d.kernels.swiglu import triton_kernels
+    from d9d.kernels.swiglu import TritonSwiGlu, triton_kernels
 
     before = len(triton_kernels._forward_kernel.cache), len(triton_kernels._backward_kernel.cache)
     backend = TritonSwiGlu()
