@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+KILL_WAIT_SECONDS = 5
 SLURM_DAEMONS = ("slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel")
 
 
@@ -90,7 +91,9 @@ def _slurm_conf(root: Path, node: str, cpus: int, memory_mb: int) -> str:
             "ReturnToService=2",
             "SchedulerType=sched/backfill",
             "SchedulerParameters=sched_interval=1",
-            "KillWait=30",
+            # From a plain scancel's (or a requeue's) SIGTERM to its SIGKILL. Short, so that a test tells it from the
+            # stage's own stop_grace_seconds, which d9d's cancellation gives the ranks instead.
+            f"KillWait={KILL_WAIT_SECONDS}",
             "MinJobAge=600",
             "InactiveLimit=0",
             "SlurmdTimeout=120",
