@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Sequence
@@ -170,9 +171,10 @@ class SlurmLauncher:
             say(f"{self.name}: submitted slurm job {job_id} ({job.nodes} node(s) x {job.nproc_per_node} ranks)")
             sink = LineSink(log, on_progress, on_line)
             last = self._follow(job_id, job=job, script=script, output=output, sink=sink, stop=stop, say=say)
-        if stop.signum is not None:
-            stop.redeliver()
-            raise LaunchCancelled(stop.signum, f"slurm job {job_id} ({self.name}) cancelled; it has ended")
+        if stop.stopping:
+            stop.finish()  # re-raises Prefect's TerminationSignal, or hands the signal on (which may raise too)
+            signum = stop.signum if stop.signum is not None else signal.SIGTERM
+            raise LaunchCancelled(signum, f"slurm job {job_id} ({self.name}) cancelled; it has ended")
         if last.state != "COMPLETED":
             raise end_state_error(job_id, last, name=self.name, log=str(output))
 
@@ -193,46 +195,55 @@ class SlurmLauncher:
         stopped_at: float | None = None  # asked to stop (SIGTERM to the steps)
         cancelled_at: float | None = None  # cancelled outright (scancel)
         next_poll = 0.0
+
+        def poll() -> bool:
+            """One look at the job (and a step of stopping it); True once it has ended."""
+            nonlocal shown, state, stopped_at, cancelled_at, next_poll
+            for line in follower.lines():
+                sink(line)
+            now = time.monotonic()
+            if stop.stopping and stopped_at is None:
+                say(f"{self.name}: stopping; slurm job {job_id} gets {self.config.stop_grace_seconds} s to stop")
+                self._stop(job_id)
+                stopped_at = now
+            if stopped_at is not None and cancelled_at is None and now > stopped_at + self._stop_wait:
+                say(f"{self.name}: slurm job {job_id} still {state.state} after its grace; scancel")
+                self._cancel(job_id)
+                cancelled_at = now
+            if now >= next_poll:
+                state = self._state(job_id)
+                if (state.state, state.nodes) != (shown.state, shown.nodes):
+                    where = f" on {state.nodes}" if state.nodes else ""
+                    say(f"{self.name}: slurm job {job_id} {state.state}{where}")
+                    report_cluster_job(
+                        ClusterJob(
+                            scheduler="slurm", job_id=job_id, name=job.name, state=state.state,
+                            nodes=state.nodes or shown.nodes, log=str(output), script=str(script),
+                        )
+                    )  # fmt: skip
+                    shown = replace(state, nodes=state.nodes or shown.nodes)
+                if state.state in END_STATES:
+                    return True
+                next_poll = now + (1.0 if stopped_at is not None else self.config.poll_seconds)
+            if cancelled_at is not None and now > cancelled_at + _CANCEL_WAIT:
+                raise SlurmError(f"slurm job {job_id} is still {state.state} long after scancel; check squeue")
+            return False
+
         ended = False
         try:
-            while True:
-                for line in follower.lines():
-                    sink(line)
-                now = time.monotonic()
-                if stop.signum is not None and stopped_at is None:
-                    say(f"{self.name}: stopping; slurm job {job_id} gets {self.config.stop_grace_seconds} s to stop")
-                    self._stop(job_id)
-                    stopped_at = now
-                if stopped_at is not None and cancelled_at is None and now > stopped_at + self._stop_wait:
-                    say(f"{self.name}: slurm job {job_id} still {state.state} after its grace; scancel")
-                    self._cancel(job_id)
-                    cancelled_at = now
-                if now >= next_poll:
-                    state = self._state(job_id)
-                    if (state.state, state.nodes) != (shown.state, shown.nodes):
-                        say(
-                            f"{self.name}: slurm job {job_id} {state.state}"
-                            + (f" on {state.nodes}" if state.nodes else "")
-                        )
-                        report_cluster_job(
-                            ClusterJob(
-                                scheduler="slurm", job_id=job_id, name=job.name, state=state.state,
-                                nodes=state.nodes or shown.nodes, log=str(output), script=str(script),
-                            )
-                        )  # fmt: skip
-                        shown = replace(state, nodes=state.nodes or shown.nodes)
-                    if state.state in END_STATES:
-                        ended = True
-                        break
-                    next_poll = now + (1.0 if stopped_at is not None else self.config.poll_seconds)
-                if cancelled_at is not None and now > cancelled_at + _CANCEL_WAIT:
-                    raise SlurmError(f"slurm job {job_id} is still {state.state} long after scancel; check squeue")
-                time.sleep(0.2)
+            while not ended:
+                try:
+                    ended = poll()
+                    if not ended:
+                        time.sleep(0.2)
+                except BaseException as error:
+                    if not stop.caught(error):
+                        raise  # a crash, or a second interrupt: the job is cancelled outright below
             for line in [*follower.lines(), *follower.rest()]:
                 sink(line)
         finally:
-            if not ended and stopped_at is None:
-                # An exception out of the loop (the flow run crashed, another handler raised): leave no job behind.
+            if not ended and cancelled_at is None:
+                # An exception out of the loop (the flow run crashed, a second Ctrl-C): leave no job behind.
                 with contextlib.suppress(Exception):
                     self._cancel(job_id)
         return replace(state, nodes=state.nodes or shown.nodes)
