@@ -62,6 +62,23 @@ attempt_pypi_sdist() {
     NVSHMEM_DIR=$nvshmem install_and_check "$src" "$LOG_DIR/attempt1.log"
 }
 
+guard_mask_buffer_calls() {  # wrap each `internode_ll::*_mask_buffer(...);` statement in #ifndef DISABLE_NVSHMEM
+    "$PYTHON" - "$1" <<'PATCH'
+import re, sys
+path = sys.argv[1]
+text = open(path).read()
+call = re.compile(r"^([ \t]*)(internode_ll::(?:update|query|clean)_mask_buffer\(.*?\);)", re.M | re.S)
+guarded, count = call.subn(
+    lambda m: f"#ifndef DISABLE_NVSHMEM\n{m.group(1)}{m.group(2)}\n#else\n{m.group(1)}"
+    'EP_HOST_ASSERT(false and "NVSHMEM is disabled during compilation");\n#endif',
+    text,
+)
+if count != 3:
+    sys.exit(f"expected 3 mask-buffer calls in {path}, found {count}")
+open(path, "w").write(guarded)
+PATCH
+}
+
 attempt_v1_intranode_only() {
     local archive=$WHL/deep_ep-src-567632d.tar.gz
     [[ -f $archive ]] || { echo "attempt 2: $archive not found"; return 1; }
@@ -71,6 +88,14 @@ attempt_v1_intranode_only() {
     sed -i 's|nvshmem_dir = importlib.util.find_spec("nvidia.nvshmem").submodule_search_locations\[0\]|raise ModuleNotFoundError("intranode-only build")|' \
         "$src/setup.py"
     grep -q 'intranode-only build' "$src/setup.py" || { echo "attempt 2: setup.py patch did not apply"; return 1; }
+    # v1.2.1's shrink-mode mask functions call low-latency kernels without the DISABLE_NVSHMEM guard every other
+    # low-latency entry point has, so an intranode-only extension fails to import (undefined symbol
+    # deep_ep::internode_ll::update_mask_buffer). Guard those calls the same way.
+    guard_mask_buffer_calls "$src/csrc/deep_ep.cpp" || { echo "attempt 2: mask-buffer guard did not apply"; return 1; }
+    # Its kernels compile with -rdc=true, whose device code needs a device-link step; setup.py adds one only with
+    # NVSHMEM, so the extension failed to import (undefined __cudaRegisterLinkedBinary_..._intranode_cu). Ask for it.
+    sed -i "s|nvcc_dlink = \[\]|nvcc_dlink = ['-dlink']|" "$src/setup.py"
+    grep -q "nvcc_dlink = \['-dlink'\]" "$src/setup.py" || { echo "attempt 2: device-link patch did not apply"; return 1; }
     echo "attempt 2: DeepEP v1.2.1 (567632d), intranode only (-DDISABLE_NVSHMEM)"
     (unset NVSHMEM_DIR; install_and_check "$src" "$LOG_DIR/attempt2.log")
 }

@@ -33,36 +33,14 @@ import time
 import torch
 import torch.distributed as dist
 
+from anchor_models import DENSE, PEAK_TFLOPS, flops_per_token, tiny
 from d9d.core.dist import DistributedContext, MeshDegrees
 from d9d.core.dist.domains import MeshDomain
 from d9d.kernels.attention import SdpaAttentionConfig
 from d9d.models import DecoderConfig, materialize_
-from d9d.models.qwen3 import Qwen3DenseForCausalLM, Qwen3DenseParameters, parallelize_qwen3_dense
+from d9d.models.qwen3 import Qwen3DenseForCausalLM, parallelize_qwen3_dense
 from d9d.parallel import FsdpConfig, MixedPrecisionConfig, clip_grad_norm_
 from d9d.parallel.context import ContextParallelConfig, check_context_parallel, shard_batch_for_context
-
-PEAK_TFLOPS = 989.0  # H100 SXM dense bf16, as in anchors.md
-DENSE = Qwen3DenseParameters(
-    hidden_size=1024,
-    intermediate_size=3072,
-    num_layers=28,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    rope_theta=1e6,
-    vocab_size=151936,
-    max_position_embeddings=131072,
-)
-TINY = {"hidden_size": 128, "intermediate_size": 256, "num_layers": 2, "num_attention_heads": 4}
-TINY |= {"num_key_value_heads": 2, "head_dim": 32, "vocab_size": 1024}
-
-
-def flops_per_token(params: Qwen3DenseParameters, seq: int) -> float:
-    """6 x non-embedding parameters (LM head included) + 12 x layers x heads x head_dim x seq (anchors.md)."""
-    h, q, kv, d = params.hidden_size, params.num_attention_heads, params.num_key_value_heads, params.head_dim
-    attention = h * q * d * 2 + h * kv * d * 2 + 2 * d + 2 * h
-    dense = params.num_layers * (attention + 3 * h * params.intermediate_size) + h + params.vocab_size * h
-    return 6 * dense + 12 * params.num_layers * q * d * seq
 
 
 def main() -> None:
@@ -82,7 +60,7 @@ def main() -> None:
     device = ctx.device
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
-    params = DENSE.model_copy(update=TINY) if args.tiny else DENSE
+    params = tiny(DENSE) if args.tiny else DENSE
     config = DecoderConfig(attention=SdpaAttentionConfig(), loss_chunk_size=args.loss_chunk_size)
     torch.manual_seed(0)
     with torch.device("meta"):

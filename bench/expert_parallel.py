@@ -1,4 +1,4 @@
-"""Expert parallelism against FSDP-only on the MoE anchor (../shared/reference/anchors.md), N ranks, same per-GPU batch.
+"""Expert parallelism against FSDP-only on the MoE anchor (bench/anchor_models.py), N ranks, same per-GPU batch.
 
 Each mode trains the MoE anchor (hidden 1024, 8 MoE layers, 64 experts top-8, expert FFN 768, batch 2 x 4096 per
 GPU) with FSDP (bf16 compute, fp32 reduce, fp32 master weights, AdamW, clipping at 1.0) on every rank:
@@ -7,11 +7,13 @@ GPU) with FSDP (bf16 compute, fp32 reduce, fp32 master weights, AdamW, clipping 
 - `ep`: `ep=N` with the all-to-all dispatcher (experts `Shard(0)` over the ranks, tokens exchanged);
 - `deep_ep`: `ep=N` with DeepEP's normal mode (skipped, with the reason, when `deep_ep` does not import).
 
-After `--warmup` steps, `--steps` steps are timed (CUDA synchronised); the slowest rank's median is reported as
-tokens/s per GPU, with the peak allocated memory of the most loaded rank. A further `--profile-steps` steps run under
-`torch.profiler`: the share of step time in the `moe.dispatch` / `moe.combine` ranges (forward, host wall time,
-which includes the split-size sync) and in the exchange's backward nodes, and the device time of the communication
-kernels (NCCL all-to-all / send-recv, DeepEP) per step.
+Per mode: after `--warmup` steps, `--steps` steps are timed (CUDA synchronised) and the row is printed at once (the
+slowest rank's median as tokens/s per GPU, the peak allocated memory of the most loaded rank). Only then do
+`--profile-steps` more steps run under `torch.profiler` (skipped when `--budget-seconds` would not leave room for
+them), and a per-phase breakdown follows the row: the device time per step of each kernel family (all-to-all,
+FSDP collectives, grouped GEMM, dense GEMM, attention, row gathers/sorts, the rest) on the slowest rank, and the
+host time in the `moe.dispatch` / `moe.combine` ranges (which includes the split-size sync). A run killed by its
+time limit thus keeps every row timed so far. `--trace-dir` writes rank 0's gzipped Chrome trace per mode.
 
     torchrun --nproc_per_node 4 bench/expert_parallel.py                       # fsdp, ep, deep_ep on 4 GPUs
     torchrun --nproc_per_node 2 bench/expert_parallel.py --modes fsdp ep
@@ -23,19 +25,23 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gzip
 import importlib.util
 import json
 import os
 import platform
+import shutil
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
+from anchor_models import MOE, MOE_BATCH, tiny
 from d9d.core.dist import DistributedContext, MeshDegrees
 from d9d.kernels.expert_dispatch import AllToAllDispatchConfig, AnyExpertDispatchConfig, DeepEpDispatchConfig
 from d9d.kernels.grouped_mm import GROUPED_MM_CONFIG_ADAPTER
@@ -43,26 +49,21 @@ from d9d.models import DecoderConfig, materialize_
 from d9d.models.qwen3 import Qwen3MoeForCausalLM, Qwen3MoeParameters, parallelize_qwen3_moe
 from d9d.parallel import FsdpConfig, MixedPrecisionConfig, clip_grad_norm_
 
-MOE = Qwen3MoeParameters(
-    hidden_size=1024,
-    intermediate_size=3072,  # unused: every layer is MoE
-    num_layers=8,
-    num_experts=64,
-    num_experts_per_tok=8,
-    moe_intermediate_size=768,
-    norm_topk_prob=True,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    rope_theta=1e6,
-    vocab_size=151936,
-)
-TINY = {"hidden_size": 64, "num_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
-TINY |= {"vocab_size": 512, "num_experts": 8, "moe_intermediate_size": 32, "num_experts_per_tok": 2}
 DISPATCH_RANGES = ("moe.dispatch", "moe.combine")
 # Backward of the token exchange: the autograd nodes of the all-to-all and DeepEP functions.
 BACKWARD_NODES = ("_AllToAllBackward", "_DispatchBackward", "_CombineBackward")
-COMM_KERNELS = ("alltoall", "all_to_all", "sendrecv", "deep_ep", "intranode")
+# Kernel families by (lower-case) kernel name, first match wins; device time per step of each is reported.
+KERNEL_FAMILIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("a2a", ("sendrecv", "alltoall", "all_to_all", "deep_ep", "intranode")),
+    ("fsdp-coll", ("allgather", "reducescatter", "allreduce", "broadcast")),
+    ("grouped-gemm", ("group",)),
+    ("attn", ("flash", "fmha", "attention", "sdpa")),
+    ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "matmul")),
+    ("gather/sort", ("index", "gather", "scatter", "sort", "radix", "cumsum", "scan")),
+)
+# A profile costs about this many timed steps of host work (trace post-processing) on top of its own steps.
+PROFILE_OVERHEAD_STEPS = 20
+PROFILE_OVERHEAD_SECONDS = 10.0
 
 
 @dataclass(frozen=True)
@@ -74,8 +75,15 @@ class Result:
     median_seconds: float
     tokens_per_second_per_gpu: float
     peak_gib: float
-    dispatch_combine_share: float
-    comm_kernel_share: float
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Per step, on the slowest rank: host seconds in dispatch/combine and device seconds per kernel family."""
+
+    mode: str
+    dispatch_combine_host_seconds: float
+    device_seconds: dict[str, float]
 
 
 def dispatch_config(mode: str) -> AnyExpertDispatchConfig | None:
@@ -90,9 +98,12 @@ def dispatch_config(mode: str) -> AnyExpertDispatchConfig | None:
             raise ValueError(f"unknown mode {mode!r}; valid: fsdp, ep, deep_ep")
 
 
-def run(mode: str, ctx: DistributedContext, params: Qwen3MoeParameters, args: argparse.Namespace) -> Result:
+def build_step(
+    mode: str, ctx: DistributedContext, params: Qwen3MoeParameters, args: argparse.Namespace
+) -> tuple[Callable[[], None], int]:
+    """The training step of `mode` on this rank, and the tokens it trains on."""
     device = ctx.device
-    batch, seq = (2, 64) if args.tiny else (2, 4096)
+    batch, seq = (2, 64) if args.tiny else MOE_BATCH
     grouped_mm = GROUPED_MM_CONFIG_ADAPTER.validate_json(args.grouped_mm) if args.grouped_mm else None
     config = DecoderConfig(grouped_mm=grouped_mm, expert_dispatch=dispatch_config(mode))
     torch.manual_seed(0)
@@ -114,68 +125,107 @@ def run(mode: str, ctx: DistributedContext, params: Qwen3MoeParameters, args: ar
         clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
 
-    def synchronize() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+    return step, tokens
 
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_steps(
+    mode: str, ctx: DistributedContext, step: Callable[[], None], tokens: int, args: argparse.Namespace
+) -> Result:
+    device = ctx.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     for _ in range(args.warmup):
         step()
-    synchronize()
+    synchronize(device)
     times = []
     for _ in range(args.steps):
         dist.barrier()
         start = time.perf_counter()
         step()
-        synchronize()
+        synchronize(device)
         times.append(time.perf_counter() - start)
-    median = statistics.median(times)
-    dispatch_seconds, comm_seconds = profile_exchange(step, synchronize, args.profile_steps, device)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
-    slowest = torch.tensor([median, peak, dispatch_seconds / median, comm_seconds / median], dtype=torch.float64)
-    slowest_median, peak_max, dispatch_share, comm_share = slowest_values(slowest, device)
+    median, peak_max = slowest([statistics.median(times), peak], device)
     return Result(
         mode=mode,
         world_size=ctx.world_size,
         ep=ctx.degrees.ep,
         tokens_per_gpu_step=tokens,
-        median_seconds=slowest_median,
-        tokens_per_second_per_gpu=tokens / slowest_median,
+        median_seconds=median,
+        tokens_per_second_per_gpu=tokens / median,
         peak_gib=peak_max,
-        dispatch_combine_share=dispatch_share,
-        comm_kernel_share=comm_share,
     )
 
 
-def slowest_values(values: torch.Tensor, device: torch.device) -> tuple[float, float, float, float]:
-    on_device = values.to(device)
+def slowest(values: list[float], device: torch.device) -> list[float]:
+    """The maximum of each value over the ranks."""
+    on_device = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(on_device, op=dist.ReduceOp.MAX)
-    first, second, third, fourth = (float(v) for v in on_device.tolist())
-    return first, second, third, fourth
+    return [float(v) for v in on_device.tolist()]
 
 
-def profile_exchange(
-    step: Callable[[], None], synchronize: Callable[[], None], steps: int, device: torch.device
-) -> tuple[float, float]:
-    """Per step: host seconds in the dispatch/combine ranges and their backward nodes; device seconds in
-    communication kernels (0 on CPU)."""
-    if steps <= 0:
-        return 0.0, 0.0
+def kernel_family(name: str) -> str:
+    lowered = name.lower()
+    for family, needles in KERNEL_FAMILIES:
+        if any(needle in lowered for needle in needles):
+            return family
+    return "other"
+
+
+def profile_steps(mode: str, ctx: DistributedContext, step: Callable[[], None], args: argparse.Namespace) -> Breakdown:
+    device = ctx.device
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
-        for _ in range(steps):
+        for _ in range(args.profile_steps):
             step()
-        synchronize()
+        synchronize(device)
     host_us = 0.0
-    device_us = 0.0
+    families = {family: 0.0 for family, _ in KERNEL_FAMILIES} | {"other": 0.0}
     for event in prof.key_averages():
-        name = event.key
-        if name in DISPATCH_RANGES or any(node in name for node in BACKWARD_NODES):
+        if event.key in DISPATCH_RANGES or any(node in event.key for node in BACKWARD_NODES):
             host_us += event.cpu_time_total
-        if device.type == "cuda" and any(kernel in name.lower() for kernel in COMM_KERNELS):
-            device_us += getattr(event, "self_device_time_total", 0.0)
-    return host_us / steps / 1e6, device_us / steps / 1e6
+        if device.type == "cuda" and event.device_type == torch.autograd.DeviceType.CUDA:
+            families[kernel_family(event.key)] += event.self_device_time_total
+    if args.trace_dir and ctx.rank == 0:
+        export_trace(prof, Path(args.trace_dir) / f"expert_parallel-{mode}-{ctx.world_size}gpu.json")
+    names = list(families)
+    values = slowest(
+        [host_us / args.profile_steps / 1e6] + [families[n] / args.profile_steps / 1e6 for n in names], device
+    )
+    return Breakdown(
+        mode=mode, dispatch_combine_host_seconds=values[0], device_seconds=dict(zip(names, values[1:], strict=True))
+    )
+
+
+def export_trace(prof: profile, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(path))
+    with path.open("rb") as plain, gzip.open(f"{path}.gz", "wb") as packed:
+        shutil.copyfileobj(plain, packed)
+    path.unlink()
+
+
+def breakdown_line(result: Result, breakdown: Breakdown) -> str:
+    """One short line (the GPU session script cuts lines at 400 characters): host time in dispatch/combine, then
+    device time per kernel family on the slowest rank, as ms and share of the step (kernels on different streams
+    overlap, so shares can sum past 100%)."""
+    step = result.median_seconds
+    host = breakdown.dispatch_combine_host_seconds
+    line = f"#   {result.mode}: dispatch+combine host {host * 1000:.1f} ms ({host / step:.0%})"
+    if not any(breakdown.device_seconds.values()):
+        return line + "; kernel families: CUDA only"
+    parts = [f"{name} {s * 1000:.1f} ({s / step:.0%})" for name, s in breakdown.device_seconds.items()]
+    return line + "; device ms (share): " + ", ".join(parts)
+
+
+def emit(line: str) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(line, flush=True)
 
 
 def main() -> None:
@@ -183,42 +233,55 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["fsdp", "ep", "deep_ep"], choices=["fsdp", "ep", "deep_ep"])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--profile-steps", type=int, default=3)
+    parser.add_argument("--profile-steps", type=int, default=2, help="0: no breakdown")
+    parser.add_argument(
+        "--budget-seconds", type=float, default=0.0, help="skip a profile that would not fit (0: no limit)"
+    )
+    parser.add_argument("--trace-dir", default=None, help="write rank 0's gzipped Chrome trace of each profile here")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--grouped-mm", default=None, help='backend JSON, e.g. \'{"kind": "torch"}\' (default: auto)')
     parser.add_argument("--tiny", action="store_true", help="tiny shapes, to check the script itself (CPU is fine)")
     args = parser.parse_args()
+    started = time.monotonic()
     os.environ.setdefault("D9D_DEVICE", args.device)
-    params = MOE.model_copy(update=TINY) if args.tiny else MOE
+    params = tiny(MOE) if args.tiny else MOE
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    rows: list[str] = []
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
+    shape = "2 x 64 (tiny)" if args.tiny else f"{MOE_BATCH[0]} x {MOE_BATCH[1]}"
+    emit(f"# {datetime.date.today()} {world} x {device_name}, torch {torch.__version__}, per-GPU batch {shape}")
+    emit("| mode | GPUs | tokens/s per GPU (slowest) | peak memory | median step |")
+    emit("|---|---|---|---|---|")
     for mode in args.modes:
         ep = 1 if mode == "fsdp" else world
         if mode == "deep_ep" and importlib.util.find_spec("deep_ep") is None:
-            rows.append(f"| {mode} | skipped: deep_ep is not installed (bench/build_deepep.sh) | | | | |")
+            emit(f"| {mode} | {world} | skipped: deep_ep is not installed (bench/build_deepep.sh) | | |")
             continue
         ctx = DistributedContext.build(MeshDegrees(dp_shard=-1, ep=ep), device=args.device)
+        step: Callable[[], None] | None = None
         try:
-            result = run(mode, ctx, params, args)
+            step, tokens = build_step(mode, ctx, params, args)
+            result = time_steps(mode, ctx, step, tokens, args)
+            emit(
+                f"| {mode} (ep={result.ep}) | {world} | {result.tokens_per_second_per_gpu:,.0f} "
+                f"| {result.peak_gib:.1f} GiB | {result.median_seconds * 1000:.0f} ms |"
+            )
+            emit(f"<!-- {json.dumps(asdict(result))} -->")
+            needed = (args.profile_steps + PROFILE_OVERHEAD_STEPS) * result.median_seconds + PROFILE_OVERHEAD_SECONDS
+            left = args.budget_seconds - (time.monotonic() - started)
+            # Every rank takes the same decision: the elapsed time of the slowest rank decides.
+            fits = not args.budget_seconds or slowest([-left], ctx.device)[0] <= -needed
+            if args.profile_steps > 0 and fits:
+                breakdown = profile_steps(mode, ctx, step, args)
+                emit(breakdown_line(result, breakdown))
+                emit(f"<!-- {json.dumps(asdict(breakdown))} -->")
+            elif args.profile_steps > 0:
+                emit(f"#   {mode}: profile skipped, {left:.0f} s of --budget-seconds left, about {needed:.0f} s needed")
         except Exception as error:  # noqa: BLE001 - report and go on to the next mode
-            rows.append(f"| {mode} | failed: {type(error).__name__}: {str(error)[:300]} | | | | |")
-            continue
+            emit(f"| {mode} | {world} | failed: {type(error).__name__}: {str(error)[:300]} | | |")
         finally:
+            step = None  # the model and optimizer go before the next mode builds its own
             if args.device == "cuda":
                 torch.cuda.empty_cache()
-        rows.append(
-            f"| {mode} (ep={result.ep}) | {result.tokens_per_second_per_gpu:,.0f} | {result.peak_gib:.1f} GiB "
-            f"| {result.median_seconds * 1000:.0f} ms | {result.dispatch_combine_share:.1%} "
-            f"| {result.comm_kernel_share:.1%} |"
-        )
-        rows.append(f"<!-- {json.dumps(asdict(result))} -->")
-    if int(os.environ.get("RANK", "0")) == 0:
-        device_name = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
-        shape = "2 x 64 (tiny)" if args.tiny else "2 x 4096"
-        print(f"# {datetime.date.today()} {world} x {device_name}, torch {torch.__version__}, per-GPU batch {shape}")
-        print("| mode | tokens/s per GPU (slowest) | peak memory | median step | dispatch+combine | comm kernels |")
-        print("|---|---|---|---|---|---|")
-        print("\n".join(rows), flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()
 

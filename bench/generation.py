@@ -28,31 +28,11 @@ from collections.abc import Callable
 
 import torch
 
+from anchor_models import DENSE, tiny
 from d9d.kernels.attention import SdpaAttentionConfig
 from d9d.models import DecoderConfig, materialize_
 from d9d.models.generation import GenerationConfig, generate
 from d9d.models.qwen3 import Qwen3DenseForCausalLM, Qwen3DenseParameters, mapper_to_huggingface_qwen3_dense
-
-ANCHOR = Qwen3DenseParameters(
-    hidden_size=1024,
-    intermediate_size=3072,
-    num_layers=28,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    rope_theta=1e6,
-    vocab_size=151936,
-)
-TINY = Qwen3DenseParameters(
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    rope_theta=1e6,
-    vocab_size=512,
-)
 
 
 def build_models(
@@ -162,7 +142,7 @@ def main() -> None:
     args = parser.parse_args()
     clock = Clock(args.max_seconds)
     device = torch.device(args.device)
-    params, dtype = (TINY, torch.float32) if args.tiny else (ANCHOR, torch.bfloat16)
+    params, dtype = (tiny(DENSE), torch.float32) if args.tiny else (DENSE, torch.bfloat16)
     prompt, new = (16, 8) if args.tiny else (args.prompt, args.new_tokens)
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu"
     say(f"# {device_name}, torch {torch.__version__}, {datetime.datetime.now(datetime.UTC):%Y-%m-%d}")

@@ -6,7 +6,7 @@
 #   context  : every long-context row (cp=1, 2, 4 at 16k; cp=2, 4 at 32k; cp=1 at 8k)
 #   nccltests: the NCCL tests of context attention and expert dispatch, failures in full
 #   faults   : bench/faults.py's stage kinds on the CPUs, FAULT_PROCS campaigns in the background (call `wait` last)
-#   scaling  : dense FSDP compiled on 1, 2, 4 GPUs;  ep2: MoE FSDP-only and ep=2 on 2 GPUs
+#   scaling  : dense FSDP compiled on 1, 2, 4 GPUs;  ep2: MoE on 1 GPU, then FSDP-only and ep=2 on 2 GPUs
 #   kerneltests: GPU tests in the pytest process (kernels at real sizes, models); run after forking parts
 #   compile  : tp2 x dp_shard2 with compiled layers, async TP off and on
 #   pipeline : pipeline schedules at pp=4, then the GPU parity tests of every parallel style over NCCL
@@ -36,8 +36,8 @@ for part in "$@"; do case $part in
     run 0,1,2,3 120 tp.log $B --steps 8 --warmup 3
     run 0,1,2,3 120 tp.log $B --tp 2 --steps 8 --warmup 3
     E=bench/expert_parallel.py
-    run 0 90 ep.log $E --modes fsdp --steps 8 --warmup 3 --profile-steps 2
-    run 0,1,2,3 150 ep.log $E --modes fsdp ep deep_ep --steps 8 --warmup 3 --profile-steps 2
+    run 0 90 ep.log $E --modes fsdp --steps 8 --warmup 3 --profile-steps 2 --budget-seconds 80
+    run 0,1,2,3 150 ep.log $E --modes fsdp ep deep_ep --steps 8 --warmup 3 --profile-steps 2 --budget-seconds 140
     C=bench/context_parallel.py
     run 0 90 cp.log $C --cp 1 --seq 8192
     run 0 90 cp.log $C --cp 1 --seq 16384
@@ -65,8 +65,12 @@ for part in "$@"; do case $part in
     done ;;
   scaling)  # issue 21's FSDP scaling on the GPUs lent (1, 2, 4), compiled, same per-GPU batch
     for gpus in 0 0,1 0,1,2,3; do run $gpus 80 scaling.log bench/tensor_parallel.py --compile --steps 6 --warmup 2; done ;;
-  ep2)  # the MoE anchor on 2 GPUs: FSDP-only and ep=2
-    run 0,1 120 ep.log bench/expert_parallel.py --modes fsdp ep --steps 8 --warmup 3 --profile-steps 2 ;;
+  ep2)  # the MoE anchor: the 1-GPU figure, then FSDP-only, ep=2 and DeepEP (where installed) on 2 GPUs; each row
+        # prints before its profile, and a profile that would not fit the call's time is skipped
+    E=bench/expert_parallel.py
+    run 0 120 ep.log $E --modes fsdp --steps 8 --warmup 3 --profile-steps 2 --budget-seconds 105 --trace-dir "$out/traces"
+    run 0,1 ${EP_SECONDS:-240} ep.log $E --modes fsdp ep deep_ep --steps 8 --warmup 3 --profile-steps 2 \
+      --budget-seconds $(( ${EP_SECONDS:-240} - 15 )) --trace-dir "$out/traces" ;;
   kerneltests)  # GPU tests that use CUDA in the pytest process (after every forking test)
     timeout 170 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -m gpu tests/kernels tests/models 2>&1 \
       | tee "$out/kernel-tests.log" | tail -25 | cut -c1-300 ;;

@@ -23,34 +23,13 @@ from dataclasses import dataclass
 
 import torch
 
+from anchor_models import DENSE, DENSE_BATCH, MOE, MOE_BATCH, PEAK_TFLOPS, flops_per_token, tiny
 from d9d.kernels.attention import ATTENTION_CONFIG_ADAPTER, resolve_attention_config
 from d9d.kernels.grouped_mm import GROUPED_MM_CONFIG_ADAPTER, resolve_grouped_mm_config
 from d9d.models import DecoderConfig, materialize_
 from d9d.models.qwen3 import Qwen3DenseForCausalLM, Qwen3DenseParameters, Qwen3MoeForCausalLM, Qwen3MoeParameters
 
-PEAK_TFLOPS = 989.0  # H100 SXM dense bf16, as in anchors.md
-
-ATTENTION = {
-    "num_attention_heads": 16,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "rope_theta": 1e6,
-    "vocab_size": 151936,
-}
-DENSE = Qwen3DenseParameters(hidden_size=1024, intermediate_size=3072, num_layers=28, **ATTENTION)
-MOE = Qwen3MoeParameters(
-    hidden_size=1024,
-    intermediate_size=3072,  # unused: every layer is MoE
-    num_layers=8,
-    num_experts=64,
-    num_experts_per_tok=8,
-    moe_intermediate_size=768,
-    norm_topk_prob=True,
-    **ATTENTION,
-)
-BATCH = {"dense": (4, 4096), "moe": (2, 4096)}
-TINY = {"hidden_size": 128, "num_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}
-TINY |= {"vocab_size": 1024, "num_experts": 8, "moe_intermediate_size": 64, "num_experts_per_tok": 2}
+BATCH = {"dense": DENSE_BATCH, "moe": MOE_BATCH}
 
 
 @dataclass(frozen=True)
@@ -63,18 +42,6 @@ class Result:
     peak_gib: float
     flops_per_token: float
     parameters: int
-
-
-def flops_per_token(params: Qwen3DenseParameters, seq: int) -> float:
-    """6 x non-embedding parameters active per token (LM head included) + 12 x layers x heads x head_dim x seq."""
-    h, q, kv, d = params.hidden_size, params.num_attention_heads, params.num_key_value_heads, params.head_dim
-    attention = h * q * d * 2 + h * kv * d * 2 + 2 * d + 2 * h
-    if isinstance(params, Qwen3MoeParameters):
-        ffn = params.num_experts_per_tok * 3 * h * params.moe_intermediate_size + params.num_experts * h
-    else:
-        ffn = 3 * h * params.intermediate_size
-    dense = params.num_layers * (attention + ffn) + h + params.vocab_size * h
-    return 6 * dense + 12 * params.num_layers * q * d * seq
 
 
 def run(name: str, params: Qwen3DenseParameters, config: DecoderConfig, args: argparse.Namespace) -> Result:
@@ -147,10 +114,7 @@ def main() -> None:
     config = DecoderConfig(attention=attention, grouped_mm=grouped_mm, loss_chunk_size=args.loss_chunk_size)
     models = {"dense": DENSE, "moe": MOE}
     if args.tiny:
-        models = {
-            name: params.model_copy(update={k: v for k, v in TINY.items() if k in type(params).model_fields})
-            for name, params in models.items()
-        }
+        models = {"dense": tiny(DENSE), "moe": tiny(MOE)}
     names = ["dense", "moe"] if args.model == "both" else [args.model]
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
     backends = {

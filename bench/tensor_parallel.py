@@ -31,6 +31,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
+from anchor_models import DENSE, DENSE_BATCH, PEAK_TFLOPS, flops_per_token, tiny
 from d9d.core.dist import DistributedContext, MeshDegrees
 from d9d.core.dist.domains import MeshDomain
 from d9d.core.loop import (
@@ -51,7 +52,6 @@ from d9d.models.qwen3 import Qwen3DenseForCausalLM, check_qwen3_tp_degrees, para
 from d9d.models.roles import Role
 from d9d.parallel import ByRole, FsdpConfig, MixedPrecisionConfig, clip_grad_norm_, select_modules
 from d9d.parallel.tensor import TensorParallelConfig
-from model_step import BATCH, DENSE, PEAK_TFLOPS, TINY, flops_per_token
 
 
 class CausalLMTask:
@@ -79,9 +79,9 @@ def main() -> None:
     if args.device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     params = DENSE
-    rows_per_gpu, seq = (2, 64) if args.tiny else BATCH["dense"]
+    rows_per_gpu, seq = (2, 64) if args.tiny else DENSE_BATCH
     if args.tiny:
-        params = params.model_copy(update={k: v for k, v in TINY.items() if k in type(params).model_fields})
+        params = tiny(params)
         args.steps, args.warmup = min(args.steps, 3), min(args.warmup, 1)
     check_qwen3_tp_degrees(params, args.tp)  # before any rank builds anything
     ctx = DistributedContext.build(MeshDegrees(dp_shard=-1, tp=args.tp), device=args.device)

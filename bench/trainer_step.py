@@ -27,6 +27,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
+from anchor_models import DENSE, DENSE_BATCH, MOE, MOE_BATCH, PEAK_TFLOPS, flops_per_token, tiny
 from d9d.core.dist import DistributedContext, MeshDegrees
 from d9d.core.dist.domains import MeshDomain
 from d9d.core.loop import (
@@ -52,7 +53,6 @@ from d9d.models.qwen3 import (
     parallelize_qwen3_moe,
 )
 from d9d.parallel import FsdpConfig, MixedPrecisionConfig, clip_grad_norm_
-from model_step import BATCH, DENSE, MOE, PEAK_TFLOPS, TINY, flops_per_token
 
 
 class CausalLMTask:
@@ -111,9 +111,9 @@ def main() -> None:
     if args.device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     params: Qwen3DenseParameters = MOE if args.model == "moe" else DENSE
-    rows, seq = (2, 64) if args.tiny else BATCH[args.model]
+    rows, seq = (2, 64) if args.tiny else {"dense": DENSE_BATCH, "moe": MOE_BATCH}[args.model]
     if args.tiny:
-        params = params.model_copy(update={k: v for k, v in TINY.items() if k in type(params).model_fields})
+        params = tiny(params)
     ctx = DistributedContext.build(MeshDegrees(dp_shard=-1), device=args.device)
     dp = ctx.world_size
 

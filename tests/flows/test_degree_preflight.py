@@ -103,7 +103,6 @@ def test_split_backward_schedule_with_fsdp(capsys, tmp_path):
     ("first", "second", "why"),
     [
         ("pp", "cp", "no parity test covers pipelined context parallelism yet"),
-        ("ep", "tp", "experts are not tensor-parallel"),
     ],
 )
 def test_combinations_not_supported_yet(capsys, tmp_path, first, second, why):
@@ -137,3 +136,25 @@ def test_finetune_global_batch_over_the_data_parallel_ranks_of_tp(capsys, tmp_pa
 def test_evaluate_degrees_are_checked(capsys, tmp_path):
     err = _error(capsys, tmp_path, "pipeline", "evaluate.degrees.cp=2", "evaluate.seq_len=30")
     assert "evaluate.degrees.cp=2 does not fit seq_len=30" in err
+
+
+def test_ep_with_tp_passes_the_preflight():
+    # ep x tp is supported (experts whole, ep over the data ranks of each tp coordinate; docs/design/0021), so the
+    # preflight accepts it; ep still folds over the data ranks only, not over tp.
+    from d9d.flows.jobs.degree_checks import check_topology
+    from d9d.flows.jobs.presets import preset
+    from d9d.flows.jobs.topology import RankTopology
+    from d9d.models.catalogue import Qwen3MoeModelConfig
+
+    model = Qwen3MoeModelConfig.model_validate(preset("micro-moe")["pretrain"]["model"])
+    topology = RankTopology(nproc_per_node=4, degrees={"tp": 2, "ep": 2})
+    degrees = check_topology("pretrain", topology, model, seq_len=64, microbatches_per_step=1)
+    assert (degrees.dp_shard, degrees.tp, degrees.ep) == (2, 2, 2)
+
+
+def test_ep_does_not_fold_over_tp(capsys, tmp_path):
+    err = _error(
+        capsys, tmp_path, "pretrain", "pretrain.nproc_per_node=4", "pretrain.degrees.tp=2", "pretrain.degrees.ep=4",
+        preset="micro-moe",
+    )  # fmt: skip
+    assert "ep=4 must divide dp_replicate*dp_shard*cp = 2" in err

@@ -19,8 +19,11 @@ from d9d.kernels.expert_dispatch import (
     DeepEpDispatchConfig,
     build_token_dispatcher,
     detect_expert_dispatch_config,
+    gather_sorted_rows,
+    permute_rows,
     resolve_expert_dispatch_config,
     sort_by_expert,
+    weighted_unsort,
 )
 
 NUM_EXPERTS, TOP_K, HIDDEN = 8, 2, 6
@@ -110,6 +113,39 @@ def test_sort_by_expert_puts_dropped_copies_last_and_counts_only_kept():
 
 CPU = Capabilities(device_type="cpu")
 H100_DEEP_EP = Capabilities(device_type="cuda", cuda_capability=(9, 0), installed=frozenset({"deep_ep"}))
+
+
+@pytest.mark.parametrize("drop", [False, True])
+def test_row_movement_gradients_equal_plain_indexing(drop):
+    # The gather-only backwards (inverse gathers, slot-order sums) against autograd through plain `tensor[index]`
+    # (index_put_ accumulation), float64 so the two summation orders agree to 1e-12; with dropped copies (-1) too.
+    generator = torch.Generator().manual_seed(3)
+    tokens, top_k, hidden, experts = 11, 3, 5, 4
+    indices = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)])
+    if drop:
+        indices[[0, 4, 7], [1, 0, 2]] = -1
+    sort = sort_by_expert(indices, experts, may_drop=drop)
+    kept = int(sort.group_sizes.sum())
+    x = torch.randn(tokens, hidden, dtype=torch.float64, generator=generator, requires_grad=True)
+    weights = torch.rand(tokens, top_k, dtype=torch.float64, generator=generator, requires_grad=True)
+    scale = torch.randn(kept, hidden, dtype=torch.float64, generator=generator)
+    perm = torch.randperm(kept, generator=generator)
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(kept)
+    upstream = torch.randn(tokens, hidden, dtype=torch.float64, generator=generator)
+
+    rows = permute_rows(gather_sorted_rows(x, sort, top_k, kept), perm, inverse) * scale
+    out = weighted_unsort(permute_rows(rows, inverse, perm), sort, weights)
+    grads = torch.autograd.grad((out * upstream).sum(), (x, weights))
+
+    plain_rows = x[sort.order[:kept] // top_k][perm] * scale
+    padded = torch.cat([plain_rows[inverse], plain_rows.new_zeros(1, hidden)])
+    by_slot = padded[sort.inverse.clamp(max=kept)].view(tokens, top_k, hidden)
+    expected_out = (by_slot * weights[..., None]).sum(dim=1)
+    expected = torch.autograd.grad((expected_out * upstream).sum(), (x, weights))
+    torch.testing.assert_close(out, expected_out, rtol=0, atol=1e-12)
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
 def test_detection_picks_deep_ep_only_on_hopper_with_it_installed(monkeypatch):

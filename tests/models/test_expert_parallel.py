@@ -43,6 +43,9 @@ LAYOUTS = {
     "ep4-fsdp4": (4, MeshDegrees(dp_shard=4, ep=4), FsdpConfig()),
     "ep2-over-hsdp2x2": (4, MeshDegrees(dp_replicate=2, dp_shard=2, ep=2), HsdpConfig()),
     "ep2-efsdp2-fsdp4": (4, MeshDegrees(dp_shard=4, ep=2), FsdpConfig()),  # experts also FSDP over ep_replicate=2
+    # Attention and dense layers tp+sp, experts whole (etp=1): each tp rank dispatches its sequence shard over ep,
+    # expert gradients summed over ep_replicate x tp (docs/design/0021).
+    "tp2-ep2-fsdp2": (4, MeshDegrees(dp_shard=2, tp=2, ep=2), FsdpConfig()),
 }
 
 
@@ -89,7 +92,9 @@ def test_expert_parallel_training_matches_single_process(world_size, layout):
     assert layers and all(isinstance(layer.dispatcher, AllToAllDispatcher) for layer in layers)
     experts = layers[0].experts.gate_proj.weight
     assert isinstance(experts, DTensor)
-    assert experts.to_local().shape[0] * degrees.ep * ctx.degrees.expert_replicate() >= experts.shape[0]
+    # FSDP shards each ep shard again over ep_replicate (x tp under tensor parallelism), rounding up.
+    shards = degrees.ep * ctx.degrees.expert_replicate() * degrees.tp
+    assert experts.to_local().shape[0] * shards >= experts.shape[0]
     trace = train(model, optimizer_for(model), range(STEPS), ctx=ctx, sync=sync)
     reference, reference_trace = _reference(range(STEPS))
     _assert_same_training(trace, reference_trace)
@@ -193,8 +198,16 @@ def test_lora_on_experts_of_an_expert_parallel_model_trains_and_exports(tmp_path
         torch.testing.assert_close(exported[name], tensor, rtol=0, atol=PARAM_ATOL, msg=name)
 
 
-@pytest.mark.distributed(world_size=4, timeout=120)
-def test_expert_parallel_with_tensor_parallel_is_refused_clearly():
-    ctx = DistributedContext.build(MeshDegrees(dp_shard=2, tp=2, ep=2))
-    with pytest.raises(NotImplementedError, match="ep=2 with tp=2 is not supported yet"):
-        parallelize_qwen3_moe(build_meta(), ctx, FsdpConfig())
+@pytest.mark.distributed(world_size=4, timeout=300)
+def test_expert_parallel_with_tensor_parallel_shards_experts_over_ep_and_tp_ranks():
+    # tp2 x ep2 over dp_shard=2: the ep group of a rank is the other data rank with the same tp coordinate, and the
+    # experts' FSDP dimension is ep_replicate x tp (two ranks), so a rank keeps half of its ep shard.
+    ctx, model, _ = _parallel(MeshDegrees(dp_shard=2, tp=2, ep=2), FsdpConfig())
+    layer = next(module for module in model.modules() if isinstance(module, MoELayer))
+    weight = layer.experts.gate_proj.weight
+    assert isinstance(weight, DTensor) and weight.device_mesh.mesh_dim_names == ("ep_replicate_tp", "ep")
+    assert weight.to_local().shape[0] == weight.shape[0] // 4
+    assert isinstance(layer.dispatcher, AllToAllDispatcher) and layer.dispatcher.num_ranks == 2
+    tp_coordinate = ctx.rank % 2  # tp is the fastest-varying dimension: ranks [0, 1] and [2, 3] are tp groups
+    assert torch.distributed.get_process_group_ranks(layer.dispatcher.group) == [tp_coordinate, tp_coordinate + 2]
+    assert layer.token_shard_group is not None

@@ -20,7 +20,6 @@ from d9d.pipeline import plan_pipeline
 # Degree pairs the libraries refuse or have no parity test for yet, and why (docs/design/0015).
 UNSUPPORTED: dict[tuple[str, str], str] = {
     ("pp", "cp"): "no parity test covers pipelined context parallelism yet",
-    ("ep", "tp"): "experts are not tensor-parallel",
 }
 
 

@@ -13,7 +13,7 @@ from d9d.parallel.config import (
     ReplicateConfig,
     build_data_parallel,
 )
-from d9d.parallel.expert_parallel import check_expert_parallel_degrees, shard_experts
+from d9d.parallel.expert_parallel import check_expert_parallel_degrees, expert_shard_mesh, shard_experts
 from d9d.parallel.fully_sharded import parallelize_fsdp, parallelize_hsdp, use_sum_reduction
 from d9d.parallel.grad_norm import clip_grad_norm_, total_grad_norm
 from d9d.parallel.grad_sync import DeferredGradientSynchronizer, GradientSynchronizer
@@ -42,6 +42,7 @@ __all__ = [
     "build_data_parallel",
     "check_expert_parallel_degrees",
     "clip_grad_norm_",
+    "expert_shard_mesh",
     "parallelize_fsdp",
     "parallelize_hsdp",
     "parallelize_replicate",

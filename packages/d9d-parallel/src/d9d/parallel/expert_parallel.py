@@ -2,8 +2,11 @@
 
 The expert domain `(pp, ep_replicate, ep, tp)` regroups the data and context ranks (see `d9d.core.dist.domains`).
 Every parameter of an experts module is stacked `(E, ...)`; each of the `ep` ranks of a group keeps `E / ep`
-consecutive experts, and FSDP shards those again over `ep_replicate` (and sums their gradients there). The token
-exchange that goes with it is d9d-kernels' expert dispatch; this module only places parameters.
+consecutive experts, and FSDP shards those again over `ep_replicate` (and sums their gradients there). Under tensor
+parallelism experts are not tensor-parallel (etp=1): each `tp` rank routes its own sequence shard within its EP group,
+so the `tp` ranks are extra data ranks of the experts and FSDP runs over `ep_replicate x tp` (`expert_shard_mesh`,
+docs/design/0021). The token exchange that goes with it is d9d-kernels' expert dispatch; this module only places
+parameters.
 """
 
 from __future__ import annotations
@@ -40,6 +43,32 @@ def check_expert_parallel_degrees(degrees: MeshDegrees, num_experts: int) -> Non
             f"ep={degrees.ep} must divide dp_replicate*dp_shard*cp = {fold} ({degrees.describe()}); valid ep "
             f"values for {num_experts} experts: {', '.join(map(str, valid))}."
         )
+
+
+EXPERT_SHARD_WITH_TP = "ep_replicate_tp"
+
+
+def expert_shard_mesh(expert_mesh: DeviceMesh) -> tuple[DeviceMesh, str]:
+    """The 2-D `(<shard dim>, ep)` mesh `shard_experts` takes, and the name of its shard dimension.
+
+    `expert_mesh` is `ctx.mesh_for('expert')` (`pp, ep_replicate, ep, tp`). Without tensor parallelism the shard
+    dimension is `ep_replicate`; with `tp > 1` it is `ep_replicate` and `tp` flattened (`ep_replicate_tp`): experts
+    are not tensor-parallel, each `tp` rank feeds them a different sequence shard, so their gradients are summed over
+    the `tp` ranks as over data ranks.
+
+    Raises:
+        ValueError: the mesh lacks one of the expert domain's dimensions.
+    """
+    names = expert_mesh.mesh_dim_names or ()
+    missing = [name for name in ("ep_replicate", "ep", "tp") if name not in names]
+    if missing:
+        raise ValueError(f"the mesh lacks dimensions {missing}; it has {names} (pass ctx.mesh_for('expert'))")
+    if expert_mesh["tp"].size() == 1:
+        return expert_mesh["ep_replicate", "ep"], "ep_replicate"
+    flat = expert_mesh["ep_replicate", "tp"]._flatten(EXPERT_SHARD_WITH_TP)  # private, as in fold_tp_into_shard
+    if hasattr(DeviceMesh, "_concatenate"):  # torch >= 2.12: slicing a flattened dimension from the root is deprecated
+        return DeviceMesh._concatenate([flat, expert_mesh["ep"]]), EXPERT_SHARD_WITH_TP
+    return expert_mesh[EXPERT_SHARD_WITH_TP, "ep"], EXPERT_SHARD_WITH_TP
 
 
 def shard_experts(

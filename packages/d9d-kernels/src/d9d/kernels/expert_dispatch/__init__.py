@@ -17,6 +17,7 @@ from d9d.kernels.expert_dispatch.sorting import (
     ExpertOrder,
     count_per_expert,
     gather_sorted_rows,
+    permute_rows,
     sort_by_expert,
     weighted_unsort,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "detect_expert_dispatch_config",
     "gather_sorted_rows",
     "import_deep_ep",
+    "permute_rows",
     "resolve_expert_dispatch_config",
     "sort_by_expert",
     "split_experts",

@@ -3,7 +3,9 @@
 dispatch: sort this rank's token copies by global expert (experts are contiguous per rank, so this also groups them
 by destination), exchange the `(ranks, local experts)` count matrix, send the rows with variable splits, and reorder
 what arrived from (source rank, local expert) to local-expert-major. combine: the same steps backwards, then the
-combine weights on the rank that owns the tokens. One device-to-host copy per dispatch (the split sizes).
+combine weights on the rank that owns the tokens. One device-to-host copy per dispatch (the split sizes); the rows
+to send are gathered before it, so the device works while the host waits. Every reordering is a gather whose
+backward is the inverse gather (`permute_rows`), never a scatter-add.
 """
 
 from __future__ import annotations
@@ -15,7 +17,13 @@ import torch
 import torch.distributed as dist
 
 from d9d.kernels.expert_dispatch.api import DispatchedTokens, check_routing, split_experts
-from d9d.kernels.expert_dispatch.sorting import ExpertOrder, gather_sorted_rows, sort_by_expert, weighted_unsort
+from d9d.kernels.expert_dispatch.sorting import (
+    ExpertOrder,
+    gather_sorted_rows,
+    permute_rows,
+    sort_by_expert,
+    weighted_unsort,
+)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -78,10 +86,13 @@ class AllToAllDispatcher:
         send_counts = sort.group_sizes.view(self.num_ranks, self.num_local_experts)
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=self.group)
+        # Every copy in sorted order (dropped ones last): queued before the sync below, which it does not need.
+        copies = gather_sorted_rows(x, sort, top_k)
         # One host copy for both split lists (they size the exchange and the received buffer).
         splits = torch.stack([send_counts.sum(dim=1), recv_counts.sum(dim=1)]).tolist()
         send_splits, recv_splits = [int(n) for n in splits[0]], [int(n) for n in splits[1]]
-        sent = gather_sorted_rows(x, sort, top_k, sum(send_splits))
+        num_sent = sum(send_splits)
+        sent = copies if num_sent == copies.shape[0] else copies[:num_sent]  # a slice's backward would copy
         received = all_to_all(sent, recv_splits, send_splits, self.group)
         # Received rows are ordered by (source rank, local expert); the experts want local-expert-major.
         local_expert = torch.repeat_interleave(
@@ -100,11 +111,12 @@ class AllToAllDispatcher:
             local_order=local_order,
             local_inverse=local_inverse,
         )
-        return DispatchedTokens(rows=received[local_order], group_sizes=recv_counts.sum(dim=0), handle=handle)
+        rows = permute_rows(received, local_order, local_inverse)
+        return DispatchedTokens(rows=rows, group_sizes=recv_counts.sum(dim=0), handle=handle)
 
     def combine(self, rows: torch.Tensor, dispatched: DispatchedTokens) -> torch.Tensor:
         handle = dispatched.handle
         assert isinstance(handle, _AllToAllHandle), "combine() needs the DispatchedTokens of this dispatcher"
-        by_source = rows[handle.local_inverse]
+        by_source = permute_rows(rows, handle.local_inverse, handle.local_order)
         returned = all_to_all(by_source, handle.send_splits, handle.recv_splits, self.group)
         return weighted_unsort(returned, handle.sort, handle.expert_weights)

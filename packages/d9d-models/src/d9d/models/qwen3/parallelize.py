@@ -94,12 +94,13 @@ def parallelize_qwen3_moe(
     """Like `parallelize_qwen3_dense`. With `ep == 1` experts are data-parallel parameters (sharded along the expert
     dimension under FSDP); with `tp > 1` each MoE block routes its rank's sequence shard and is sharded over
     `dp_cp_shard x tp` (docs/design/0005); with `ep > 1` experts are expert-parallel (`parallelize_experts`, the data
-    config's mixed precision; docs/design/0007) and the dense parameters then get `config`.
+    config's mixed precision; docs/design/0007) and the dense parameters then get `config`. `ep` with `tp` keeps
+    attention and the dense layers tensor- and sequence-parallel and the experts whole (etp=1), sharded over `ep`
+    and FSDP over `ep_replicate x tp` (docs/design/0021).
 
     Raises:
         ValueError: the model's shapes do not divide by `tp`, `kind='replicate'` with `tp > 1` or `ep > 1`, or an `ep`
             that does not divide the experts.
-        NotImplementedError: the topology has ep and tp both above 1.
     """
     return _parallelize(model, ctx, config, MOE, tensor_parallel or TensorParallelConfig(), context=context)
 
@@ -134,19 +135,16 @@ def _parallelize(
 def _expert_parallel(
     model: nn.Module, ctx: DistributedContext, config: AnyDataParallelConfig, family: Qwen3FamilyPlan
 ) -> None:
-    """Experts `Shard(0)` over `ep` and FSDP over `ep_replicate`, each MoE layer with its token dispatcher; the
-    data-parallel step then skips them (docs/design/0007)."""
+    """Experts `Shard(0)` over `ep` and FSDP over `ep_replicate` (`ep_replicate x tp` under tp: experts are not
+    tensor-parallel, each tp rank dispatches its sequence shard), each MoE layer with its token dispatcher; the
+    data-parallel step then skips them, and under tp the MoE block's unit over `dp_cp_shard x tp` keeps only the
+    router (docs/design/0007, 0021)."""
     degrees = ctx.degrees
     if isinstance(config, ReplicateConfig):
         raise ValueError(
             f"{family.name}: expert parallelism (ep={degrees.ep}) needs kind='fsdp' or kind='hsdp' data parallelism, "
             "got kind='replicate': the bucketed replicate synchroniser would all-reduce expert gradients over ranks "
             "that hold different experts."
-        )
-    if degrees.tp > 1:
-        raise NotImplementedError(
-            f"{family.name}: ep={degrees.ep} with tp={degrees.tp} is not supported yet (experts are not "
-            "tensor-parallel); use ep with tp=1, or tp with ep=1."
         )
     mixed_precision = config.mixed_precision.build() if config.mixed_precision else None
     parallelize_experts(model, ctx, mixed_precision=mixed_precision, reshard_after_forward=config.reshard_after_forward)

@@ -14,7 +14,14 @@ from d9d.kernels.expert_dispatch import build_token_dispatcher
 from d9d.models.blocks.moe.experts import GroupedSwiGLU
 from d9d.models.blocks.moe.layer import MoELayer
 from d9d.models.roles import Role
-from d9d.parallel import ByRole, MixedPrecision, check_expert_parallel_degrees, select_modules, shard_experts
+from d9d.parallel import (
+    ByRole,
+    MixedPrecision,
+    check_expert_parallel_degrees,
+    expert_shard_mesh,
+    select_modules,
+    shard_experts,
+)
 
 
 def parallelize_experts(
@@ -27,7 +34,11 @@ def parallelize_experts(
     """Shard the experts of every MoE layer of `model` over the `ep` ranks and give each layer its dispatcher.
 
     Experts are `Shard(0)` over `expert['ep']` and FSDP-sharded over `expert['ep_replicate']` (with
-    `mixed_precision`, like the dense parameters); each layer's `dispatch_config` picks the token exchange.
+    `mixed_precision`, like the dense parameters); with `tp > 1` over `ep_replicate x tp`, since each `tp` rank
+    routes its own sequence shard (experts are not tensor-parallel, docs/design/0021). Each layer's
+    `dispatch_config` picks the token exchange. Where that FSDP dimension has one rank (efsdp = 1) the experts are
+    not resharded after forward whatever `reshard_after_forward` says: resharding would free only the compute-dtype
+    copy of this rank's own shard (held until backward instead) and cost a second copy-in in backward.
     Returns the layers it changed.
 
     Raises:
@@ -36,6 +47,10 @@ def parallelize_experts(
     """
     mesh = ctx.mesh_for(MeshDomain.EXPERT)
     group = mesh["ep"].get_group()
+    shard_mesh, shard_dim = expert_shard_mesh(mesh)
+    # On one rank (efsdp = 1) resharding would free only the compute-dtype copy of this rank's own shard and cost a
+    # second copy-in per backward: keep it (memory: one such copy per MoE layer until backward).
+    reshard = reshard_after_forward and shard_mesh[shard_dim].size() > 1
     layers: list[MoELayer] = []
     for name, module in select_modules(model, [ByRole(str(Role.MOE))]):
         if not isinstance(module, MoELayer) or not isinstance(module.experts, GroupedSwiGLU):
@@ -45,10 +60,11 @@ def parallelize_experts(
         module.experts.use_local_shards()
         shard_experts(
             module.experts,
-            mesh["ep_replicate", "ep"],
+            shard_mesh,
             num_experts=module.num_experts,
+            shard_dim=shard_dim,
             mixed_precision=mixed_precision,
-            reshard_after_forward=reshard_after_forward,
+            reshard_after_forward=reshard,
         )
         layers.append(module)
     return layers
