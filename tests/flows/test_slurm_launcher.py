@@ -21,6 +21,7 @@ Isolated: Prefect starts threads. About 5-6 minutes on the 2-core machine.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import threading
@@ -333,7 +334,7 @@ def test_the_ranks_get_the_stages_stop_grace_not_slurms_kill_wait(
     seconds = time.monotonic() - stopped_at[0]
     thread.join(timeout=10)
     assert not errors, errors
-    (job_id,) = [note.split()[3] for note in notes if "submitted slurm job" in note]
+    (job_id,) = [match.group(1) for note in notes if (match := re.search(r"submitted slurm job (\d+)", note))]
     assert sorted(path.name for path in out.glob("rank-*.stopped")) == ["rank-0.stopped", "rank-1.stopped"]
     assert STOP_SECONDS <= seconds < config.stop_grace_seconds, (seconds, notes)
     assert slurm.job_field(job_id, "JobState") == "CANCELLED", notes
