@@ -15,7 +15,7 @@ ranks.
   server).
 
 Skipped where slurmctld/slurmd are not installed, except under CI=true (CI installs them: .ci/run): then it fails.
-Isolated: Prefect starts threads. About 5-6 minutes on the 2-core machine.
+Isolated: Prefect starts threads. About 4 minutes on the 2-core machine when it is quiet, 7 under load.
 """
 
 from __future__ import annotations
