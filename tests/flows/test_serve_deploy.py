@@ -1,8 +1,9 @@
 """`d9d server start`, `d9d deploy` and `d9d serve` against a real Prefect server on 127.0.0.1.
 
-One server per module, started with `d9d server start` (SQLite in a temporary D9D_HOME; healthy after 10-25 s on
-the 2-core machine). Flow runs execute in real subprocesses: a `prefect worker start --run-once` process worker for
-deployments on a work pool, or the `d9d serve` runner. Marked `isolated`: Prefect starts threads.
+One server per module (`prefect_server.py`), started with `d9d server start` (SQLite in a temporary D9D_HOME;
+healthy after 10-25 s on the 2-core machine). Flow runs execute in real subprocesses: a `prefect worker start
+--run-once` process worker for deployments on a work pool, or the `d9d serve` runner. Marked `isolated`: Prefect
+starts threads.
 """
 
 from __future__ import annotations
@@ -317,7 +318,7 @@ def test_cancelling_a_running_pretrain_deployment_run_leaves_no_rank_and_a_compl
     assert len(_rank_processes(workdir)) >= 3  # torchrun and its 2 ranks are running
 
     with get_client(sync_client=True) as client:
-        client.setflow_run_state(flow_run.id, Cancelling())
+        client.set_flow_run_state(flow_run.id, Cancelling())
     assert worker.wait(timeout=180) == 0
     state = flow_run_state(flow_run.id)
     # The worker stops the flow-run process with SIGTERM; Prefect 3.9's engine then reports the run CRASHED
