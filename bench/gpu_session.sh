@@ -10,7 +10,12 @@
 #   kerneltests: GPU tests in the pytest process (kernels at real sizes, models); run after forking parts
 #   compile  : tp2 x dp_shard2 with compiled layers, async TP off and on
 #   pipeline : pipeline schedules at pp=4, then the GPU parity tests of every parallel style over NCCL
+#   pipeline2: one stage's split backward against its full backward (ops, calls, host/device ms; 1 GPU), then
+#              1F1B, ZBV and DualPipeV at pp=2 (2 GPUs), the anchor's 32 layers with 16 micro-batches
 #   kernels  : the kernel table and the single-GPU Trainer ablation
+#   generationtp: decoding under tp=2 (eager, compiled) next to one GPU, then the NCCL tp generation tests
+#   ablation : bench/trainer_step.py --ablation dense, then moe (each lever alone, then all combined)
+#   losscurve: bench/loss_curve.py, 200 steps of the baseline vs the combined configuration
 #   deepep   : build DeepEP in the background (its own session, so it outlives the call), then test it
 set -u
 out=${OUT:-/tmp/d9d-gpu}; mkdir -p "$out"
@@ -87,17 +92,35 @@ for part in "$@"; do case $part in
       run 0,1,2,3 ${PIPE_SECONDS:-100} pp.log bench/pipeline_schedules.py --schedules $schedule --steps 5 --warmup 2 \
         --profile-steps 1
     done ;;
+  pipeline2)
+    for layers in 8 4; do run 0 100 pp2.log bench/pipeline_split_backward.py --layers $layers; done
+    for schedule in 1f1b zbv dualpipe_v; do
+      run 0,1 ${PIPE_SECONDS:-120} pp2.log bench/pipeline_schedules.py --schedules $schedule --steps 5 --warmup 2 \
+        --profile-steps 1
+    done ;;
   gputests)
     timeout 150 python3 -m pytest -v -p no:cacheprovider -rfE -m gpu tests/parallel tests/pipeline 2>&1 \
       | tee "$out/gpu-tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | cut -c1-200 ;;
   generation)
     timeout 470 python3 bench/generation.py 2>&1 | tee "$out/generation.log" | grep -E "^[|#]" ;;
+  generationtp)
+    run 0,1 240 generation-tp.log bench/generation_tp.py
+    run 0,1 240 generation-tp.log bench/generation_tp.py --compile
+    timeout 100 python3 -m pytest -v -p no:cacheprovider -rfE -m gpu tests/models/test_gpu_generation_tensor_parallel.py \
+      2>&1 | tee "$out/generation-tp-tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | cut -c1-200 ;;
   kernels)
     timeout 200 python3 bench/kernels.py --json "$out/kernels.json" 2>&1 | tee "$out/kernels.log" | grep -E "^[|#]"
     for flags in "--kernels eager" "--kernels triton" "--kernels triton --compile"; do
       run 0 120 trainer.log bench/trainer_step.py --model dense $flags; done
     for flags in "--kernels eager" "--kernels triton"; do
       run 0 100 trainer.log bench/trainer_step.py --model moe $flags; done ;;
+  ablation)  # the single-GPU levers of issue 17, rows back to back per model (ABLATION_ROWS=0,3,6 picks rows)
+    for model in ${ABLATION_MODELS:-dense moe}; do
+      run 0 ${ABLATION_SECONDS:-290} ablation.log bench/trainer_step.py --ablation $model \
+        ${ABLATION_ROWS:+--rows $ABLATION_ROWS}; done ;;
+  losscurve)  # 200 steps of the baseline and the "all" row (LOSS_ROW=index), max relative loss-curve deviation
+    for model in ${LOSS_MODELS:-dense}; do
+      run 0 ${LOSS_SECONDS:-290} losscurve.log bench/loss_curve.py --model $model --fast ${LOSS_ROW:-6}; done ;;
   deepep)
     if [ -f /tmp/deepep.done ]; then tail -20 /tmp/deepep.log; cp /tmp/deepep.log "$out/"
       python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/parallel/test_gpu_expert_dispatch.py 2>&1 | tail -8

@@ -91,12 +91,13 @@ def test_pp_with_too_few_microbatches_for_the_schedule(capsys, tmp_path):
     assert "schedule dualpipe_v needs at least 2*pp=4 micro-batches per step" in err
 
 
-def test_split_backward_schedule_with_fsdp(capsys, tmp_path):
+def test_split_backward_schedule_with_tensor_parallelism(capsys, tmp_path):
+    # (with FSDP a split backward runs: tests/pipeline/test_pipeline_parity.py, pp2 x dp_shard2)
     err = _error(
-        capsys, tmp_path, "pretrain", "pretrain.nproc_per_node=4", "pretrain.degrees.pp=2",
+        capsys, tmp_path, "pretrain", "pretrain.nproc_per_node=4", "pretrain.degrees.pp=2", "pretrain.degrees.tp=2",
         "pretrain.pipeline.schedule.kind=zb_h1",
     )  # fmt: skip
-    assert "schedule zb_h1 splits backward into input and weight gradients, which FSDP (dp_shard=2)" in err
+    assert "schedule zb_h1 splits backward into input and weight gradients, which tensor parallelism (tp=2)" in err
 
 
 @pytest.mark.parametrize(
@@ -138,6 +139,19 @@ def test_evaluate_degrees_are_checked(capsys, tmp_path):
     assert "evaluate.degrees.cp=2 does not fit seq_len=30" in err
 
 
+@pytest.mark.parametrize(
+    ("override", "shown"),
+    [
+        ("evaluate.degrees.cp=2", "evaluate.degrees.cp=2 (it splits every sequence over ranks"),
+        ("evaluate.degrees.pp=2", "evaluate.degrees.pp=2 (each pipeline stage holds part of the layers"),
+    ],
+)
+def test_evaluate_tasks_and_prompts_are_refused_under_cp_and_pp_naming_why(capsys, tmp_path, override, shown):
+    err = _error(capsys, tmp_path, "evaluate", override)  # the preset scores its two local tasks and prompts
+    assert "evaluate.tasks and evaluate.prompts (task scores and sample continuations) are not supported" in err
+    assert shown in err and "set evaluate.tasks=[] and evaluate.prompts=[]" in err
+
+
 def test_ep_with_tp_passes_the_preflight():
     # ep x tp is supported (experts whole, ep over the data ranks of each tp coordinate; docs/design/0021), so the
     # preflight accepts it; ep still folds over the data ranks only, not over tp.
@@ -158,3 +172,9 @@ def test_ep_does_not_fold_over_tp(capsys, tmp_path):
         preset="micro-moe",
     )  # fmt: skip
     assert "ep=4 must divide dp_replicate*dp_shard*cp = 2" in err
+
+
+def test_evaluate_tasks_under_ep_with_tp_are_refused_naming_why(capsys, tmp_path):
+    err = _error(capsys, tmp_path, "evaluate", "evaluate.nproc_per_node=4", "evaluate.degrees.tp=2",
+                 "evaluate.degrees.ep=2", preset="micro-moe")  # fmt: skip
+    assert "evaluate.degrees.ep=2 (with tp, expert dispatch of whole (not sequence-parallel) activations" in err

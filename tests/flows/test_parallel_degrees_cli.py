@@ -13,6 +13,8 @@ token weighting (1/cp, 1/dp) or a missed shard fails it.
 These are the slowest flow tests (a Prefect API and a torchrun launch of 4 ranks per run): few and short.
 """
 
+import json
+
 import pytest
 
 from d9d.flows.cli import main
@@ -96,3 +98,32 @@ def test_finetune_with_tensor_parallelism_matches_data_parallel_only(workdir, de
     losses = _run(workdir, "finetune", "finetune-tp2", *base, "finetune.degrees.tp=2")
     _ran_with(workdir, "finetune-tp2", "finetune", "pp=1, dp_replicate=1, dp_shard=2, cp=1, tp=2, ep=1")
     _assert_same_curve(losses, baseline)
+
+
+def _evaluation(workdir, output: str, *overrides: str) -> dict:
+    target = workdir / output
+    argv = ["run", "evaluate", "--preset", "micro", "--set", f"workdir={workdir}", "--set", f"evaluate.output={target}"]
+    for override in overrides:
+        argv += ["--set", override]
+    assert main(argv) == 0
+    return json.loads((target / "evaluation.json").read_text(encoding="utf-8"))
+
+
+def test_evaluate_with_tensor_parallelism_scores_and_samples_like_data_parallel_only(workdir, dense_baseline):
+    """The evaluate stage at tp2 x dp_shard2 (tasks scored and prompts continued without sequence parallelism)
+    against dp_shard4 on the same checkpoints: the same task scores (1e-5 relative), samples and held-out losses."""
+    base = [f"pretrain.output={workdir / 'pretrain-dp4'}", "evaluate.nproc_per_node=4", "evaluate.finetune=false",
+            "evaluate.limit=6", "evaluate.max_new_tokens=8"]  # fmt: skip
+    expected = _evaluation(workdir, "evaluate-dp4", *base)
+    actual = _evaluation(workdir, "evaluate-tp2", *base, "evaluate.degrees.tp=2")
+    _ran_with(workdir, "evaluate-tp2", "evaluate", "pp=1, dp_replicate=1, dp_shard=2, cp=1, tp=2, ep=1")
+    assert actual["samples"] == expected["samples"]
+    assert all(sample["continuation"] for samples in expected["samples"].values() for sample in samples)
+    assert actual["tasks"].keys() == expected["tasks"].keys() and expected["tasks"]
+    for checkpoint, tasks in expected["tasks"].items():
+        assert tasks.keys() == actual["tasks"][checkpoint].keys() and len(tasks) == 4
+        for task, scores in tasks.items():
+            assert actual["tasks"][checkpoint][task]["metrics"] == pytest.approx(scores["metrics"], rel=TOLERANCE)
+    for checkpoint, splits in expected["checkpoints"].items():
+        for split, report in splits.items():
+            assert actual["checkpoints"][checkpoint][split]["loss"] == pytest.approx(report["loss"], rel=TOLERANCE)

@@ -13,7 +13,7 @@ def available_attention(device_type: str) -> list:
             backend = build_attention_backend(ATTENTION_CONFIG_ADAPTER.validate_python({"kind": kind}))
         except BackendUnavailable:
             continue
-        if kind == "flash_attn_2" and device_type != "cuda":
+        if kind in ("flash_attn_2", "cudnn") and device_type != "cuda":
             continue
         found.append(backend)
     return found

@@ -83,3 +83,17 @@ def test_shape_errors_name_the_shapes():
     q, k, v = _qkv(heads=3, kv_heads=2)
     with pytest.raises(ValueError, match="3 query heads cannot share 2"):
         EAGER(q, k, v, mask=AttentionMask(), scale=1.0)
+
+
+@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
+@pytest.mark.parametrize("kv_heads", [1, 4])
+def test_flex_attention_block_mask_matches_eager_forward_on_cpu(documents, kv_heads):
+    # The CPU path of FlexAttention itself (no gradients: PyTorch has no CPU backward for it, the backend then uses
+    # SDPA, covered above); float32 on both sides, so only summation order differs.
+    from d9d.kernels.attention import FlexAttention
+
+    mask = AttentionMask(document_ids=DOCS if documents else None)
+    q, k, v = (t.detach() for t in _qkv(kv_heads=kv_heads))
+    out = FlexAttention()(q, k, v, mask=mask, scale=0.25)
+    torch.testing.assert_close(out, EAGER(q, k, v, mask=mask, scale=0.25), atol=1e-5, rtol=1e-5)
+    assert any(key.startswith("derived:flex:") for key in mask._cache)  # built once, shared by every layer

@@ -73,7 +73,7 @@ def test_invalid_environment_names_the_variable_and_valid_kinds(monkeypatch):
     with pytest.raises(ValueError, match=r"D9D_BACKEND_AUTO_GROUPED_MM=.*Valid kinds: eager, grouped_gemm, torch"):
         resolve_grouped_mm_config(capabilities=CPU)
     monkeypatch.setenv("D9D_BACKEND_AUTO_ATTENTION", "not json")
-    with pytest.raises(ValueError, match=r"D9D_BACKEND_AUTO_ATTENTION.*eager, flash_attn_2, sdpa"):
+    with pytest.raises(ValueError, match=r"D9D_BACKEND_AUTO_ATTENTION.*cudnn, eager, flash_attn_2, flex, sdpa"):
         resolve_attention_config(capabilities=CPU)
 
 

@@ -1,5 +1,6 @@
 """Generation: the KV-cached decode equals re-running the full forward, greedy equals transformers' `generate`,
-sampling is seeded and filters as specified, stopping works per row, and an FSDP-sharded model generates the same.
+sampling is seeded and filters as specified, stopping works per row, and an FSDP-sharded model generates the same
+(tensor parallelism: test_generation_tensor_parallel.py).
 
 Tolerances: float32 throughout. The cached decode computes the same operations on the same values as the full
 forward; only the attention's reduction differs (SDPA over the padded cache vs the eager backend over the exact
@@ -192,19 +193,3 @@ def test_compiled_decode_equals_eager_on_gpu():
     compiled = generate(model, PROMPTS, GenerationConfig(max_new_tokens=NEW, compile=True), return_logits=True)
     assert compiled.tokens == eager.tokens
     torch.testing.assert_close(compiled.logits, eager.logits, atol=1e-4, rtol=1e-4)  # fused kernels reorder sums
-
-
-@pytest.mark.filterwarnings("ignore:FSDP2-wrapped module.*returned a view tensor:UserWarning")
-@pytest.mark.distributed(world_size=2, timeout=180)
-def test_tensor_parallel_model_is_refused_naming_tp():
-    from d9d.core.dist import DistributedContext, MeshDegrees
-    from d9d.parallel import FsdpConfig
-
-    params = qwen3_dense_parameters_from_hf({**DENSE_HF, "num_hidden_layers": 1})
-    ctx = DistributedContext.build(MeshDegrees(tp=2))
-    with torch.device("meta"):
-        model = Qwen3DenseForCausalLM(params, config=EAGER)
-    parallelize_qwen3_dense(model, ctx, FsdpConfig())
-    materialize_(model, "cpu")
-    with pytest.raises(NotImplementedError, match="tp=2"):
-        generate(model, PROMPTS, GenerationConfig(max_new_tokens=2))

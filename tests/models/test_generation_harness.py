@@ -201,3 +201,48 @@ def test_adapter_on_an_fsdp_sharded_model_equals_single_process():
         assert a == pytest.approx(b, abs=1e-5) and greedy_a == greedy_b
     until = [_request("generate_until", ("Of Man's first", {"until": ["\n"], "max_gen_toks": 6}))]
     assert ours.generate_until(until) == theirs.generate_until(until)
+
+
+@pytest.mark.filterwarnings("ignore:FSDP2-wrapped module.*returned a view tensor:UserWarning")
+@pytest.mark.distributed(world_size=2, timeout=300)
+def test_adapter_on_a_tensor_parallel_model_equals_single_process(tmp_path):
+    """tp=2 without sequence parallelism (any sequence length; here odd ones): log-likelihoods, rolling
+    log-likelihoods and generations equal the single-process model's on the same checkpoint."""
+    import torch.distributed as dist
+    from tiny import d9d_from_hf, hf_dense
+
+    from d9d.core.dist import DistributedContext, MeshDegrees
+    from d9d.models.qwen3 import mapper_from_huggingface_qwen3_dense, parallelize_qwen3_dense
+    from d9d.parallel import FsdpConfig
+    from d9d.parallel.tensor import TensorParallelConfig
+    from d9d.states import load_model_state
+
+    codec = _codec()
+    hf = hf_dense(seed=2, vocab_size=codec.tokenizer.get_vocab_size(), num_hidden_layers=2)
+    if dist.get_rank() == 0:
+        hf.save_pretrained(tmp_path / "hf")
+    dist.barrier()
+    params = qwen3_dense_parameters_from_hf(hf.config.to_dict())
+    ctx = DistributedContext.build(MeshDegrees(tp=2))
+    with torch.device("meta"):
+        sharded = Qwen3DenseForCausalLM(params, config=EAGER)
+    parallelize_qwen3_dense(sharded, ctx, FsdpConfig(), tensor_parallel=TensorParallelConfig(sequence_parallel=False))
+    materialize_(sharded, "cpu")
+    load_model_state(tmp_path / "hf", sharded, mapper_from_huggingface_qwen3_dense(params))
+    reference, _ = d9d_from_hf(hf)
+    ours = D9dHarnessLM(sharded, codec, max_length=64, batch_size=2, process_group=dist.group.WORLD)
+    theirs = D9dHarnessLM(reference, codec, max_length=64, batch_size=2)
+    pairs = [(TEXT[0], " " + TEXT[1]), ("", TEXT[3]), ("Thou art", " more lovely"), (TEXT[2], " and all")]
+    requests = [_request("loglikelihood", pair, i) for i, pair in enumerate(pairs)]
+    for (a, greedy_a), (b, greedy_b) in zip(ours.loglikelihood(requests), theirs.loglikelihood(requests), strict=True):
+        assert a == pytest.approx(b, abs=1e-5) and greedy_a == greedy_b
+    rolling = [_request("loglikelihood_rolling", (text,), i) for i, text in enumerate(TEXT[:2])]
+    assert ours.loglikelihood_rolling(rolling) == pytest.approx(theirs.loglikelihood_rolling(rolling), abs=1e-5)
+    until = [_request("generate_until", ("Of Man's first", {"until": ["\n"], "max_gen_toks": 6}))]
+    assert ours.generate_until(until) == theirs.generate_until(until)
+
+    with torch.device("meta"):
+        sequence_parallel = Qwen3DenseForCausalLM(params, config=EAGER)
+    parallelize_qwen3_dense(sequence_parallel, ctx, FsdpConfig())
+    with pytest.raises(NotImplementedError, match=r"sequence_parallel=False"):
+        D9dHarnessLM(sequence_parallel, codec)

@@ -14,9 +14,14 @@ from torch.nn import functional
 
 from d9d.models.blocks.loss import chunked_linear_cross_entropy
 from d9d.parallel.tensor import (
+    REPLICATED,
+    TensorParallelConfig,
     enable_async_tp,
     parallelize_column,
+    parallelize_local_region,
+    parallelize_replicated,
     parallelize_row,
+    parallelize_vocab_embedding,
     prepare_region_input,
     vocab_parallel_cross_entropy,
     vocab_parallel_logits,
@@ -120,3 +125,48 @@ def test_async_tp_is_refused_on_cpu():
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     with pytest.raises(ValueError, match="async_tp=True needs CUDA"):
         enable_async_tp(mesh)
+
+
+class _Block(nn.Module):
+    """Embedding, a norm, a tensor-parallel MLP and a block left whole (like an MoE block), with residuals."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.norm = nn.RMSNorm(8)
+        self.mlp = _Mlp()
+        self.local = nn.Linear(8, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(ids)
+        hidden = hidden + self.mlp(self.norm(hidden))
+        return hidden + self.local(hidden)
+
+
+@pytest.mark.parametrize("seq", [1, 3])
+@pytest.mark.distributed(world_size=2, timeout=120)
+def test_replicated_activation_layout_runs_any_sequence_length_like_the_plain_module(seq):
+    """Without sequence parallelism (inference): one token or an odd length, activations whole on every rank."""
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    reference = _Block()
+    model = _Block()
+    model.load_state_dict(reference.state_dict())
+    parallelize_vocab_embedding(model.embed, mesh, output=REPLICATED)
+    parallelize_replicated(model.norm, mesh)
+    prepare_region_input(model.mlp, mesh)
+    parallelize_column(model.mlp.up, mesh)
+    parallelize_row(model.mlp.down, mesh, output=REPLICATED)
+    parallelize_local_region(model.local, mesh, placement=REPLICATED)
+    ids = torch.tensor([[3, 9, 0][:seq], [1, 1, 7][:seq]])
+    with torch.no_grad():
+        out = model(ids)
+        expected = reference(ids)
+    assert isinstance(out, DTensor) and out.placements == (REPLICATED,) and out.to_local().shape == (2, seq, 8)
+    torch.testing.assert_close(out.to_local(), expected, atol=TOLERANCE, rtol=TOLERANCE)
+
+
+def test_async_tp_needs_sequence_parallelism():
+    with pytest.raises(ValueError, match="async_tp=True needs sequence_parallel=True"):
+        TensorParallelConfig(async_tp=True, sequence_parallel=False)
+    assert TensorParallelConfig().sequence_parallel  # training's layout stays the default

@@ -72,8 +72,8 @@ def test_schedule_matches_single_process_pp4(schedule):
         _check(family, PipelineConfig(schedule=SCHEDULES[schedule]), pp=4)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
-@pytest.mark.distributed(world_size=4, timeout=300)
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipe_v"])
+@pytest.mark.distributed(world_size=4, timeout=400)
 def test_pp2_with_fsdp_matches_single_process(schedule):
     for family in ("dense", "moe"):
         _check(family, PipelineConfig(schedule=SCHEDULES[schedule]), pp=2, dp_shard=2)

@@ -127,6 +127,7 @@ def _check_pipeline(
             num_layers=model.parameters.num_layers,
             num_microbatches=microbatches,
             dp_shard=degrees.dp_shard,
+            tp=degrees.tp,
         )
     except ValueError as error:
         raise PreflightError(

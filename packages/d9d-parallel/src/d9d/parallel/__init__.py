@@ -11,6 +11,7 @@ from d9d.parallel.config import (
     HsdpConfig,
     MixedPrecisionConfig,
     ReplicateConfig,
+    SingleDeviceConfig,
     build_data_parallel,
 )
 from d9d.parallel.expert_parallel import check_expert_parallel_degrees, expert_shard_mesh, shard_experts
@@ -20,6 +21,7 @@ from d9d.parallel.grad_sync import DeferredGradientSynchronizer, GradientSynchro
 from d9d.parallel.mixed_precision import BF16_COMPUTE_FP32_REDUCE, MixedPrecision
 from d9d.parallel.plan import ByName, ByRole, ModuleSelector, assign_role, roles_of, select_modules
 from d9d.parallel.replicate import ReplicateHandle, parallelize_replicate, replicated_parameters
+from d9d.parallel.single_device import SingleDeviceGradientSync, cast_parameters_, parallelize_single_device
 from d9d.parallel.sync import GradientSync, ModuleGradientSync
 
 __all__ = [
@@ -38,14 +40,18 @@ __all__ = [
     "ModuleSelector",
     "ReplicateConfig",
     "ReplicateHandle",
+    "SingleDeviceConfig",
+    "SingleDeviceGradientSync",
     "assign_role",
     "build_data_parallel",
+    "cast_parameters_",
     "check_expert_parallel_degrees",
     "clip_grad_norm_",
     "expert_shard_mesh",
     "parallelize_fsdp",
     "parallelize_hsdp",
     "parallelize_replicate",
+    "parallelize_single_device",
     "replicated_parameters",
     "roles_of",
     "select_modules",

@@ -14,6 +14,7 @@ from d9d.parallel.grad_sync import DEFAULT_BUCKET_SIZE_MB, DeferredGradientSynch
 from d9d.parallel.mixed_precision import MixedPrecision
 from d9d.parallel.plan import ByName, ByRole, ModuleSelector, select_modules
 from d9d.parallel.replicate import parallelize_replicate
+from d9d.parallel.single_device import parallelize_single_device
 from d9d.parallel.sync import GradientSync, ModuleGradientSync
 
 DTypeName = Literal["float32", "bfloat16", "float16"]
@@ -79,7 +80,20 @@ class HsdpConfig(_ShardedConfig):
     kind: Literal["hsdp"] = "hsdp"
 
 
-AnyDataParallelConfig = Annotated[ReplicateConfig | FsdpConfig | HsdpConfig, Field(discriminator="kind")]
+class SingleDeviceConfig(BaseModel):
+    """One data-parallel rank, no FSDP or replicate machinery: parameters stored in `mixed_precision.param_dtype`,
+    gradients accumulated in its `reduce_dtype` (d9d.parallel.single_device). Every data-parallel dimension must
+    have size 1."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["single"] = "single"
+    mixed_precision: MixedPrecisionConfig | None = None
+
+
+AnyDataParallelConfig = Annotated[
+    ReplicateConfig | FsdpConfig | HsdpConfig | SingleDeviceConfig, Field(discriminator="kind")
+]
 
 
 def build_data_parallel(config: AnyDataParallelConfig, module: nn.Module, mesh: DeviceMesh) -> GradientSync:
@@ -112,6 +126,14 @@ def build_data_parallel(config: AnyDataParallelConfig, module: nn.Module, mesh: 
                     reshard_after_forward=config.reshard_after_forward,
                 )
             return ModuleGradientSync(module)
+        case SingleDeviceConfig():
+            if mesh.size() != 1:
+                sizes = dict(zip(mesh.mesh_dim_names or (), mesh.shape, strict=True))
+                raise ValueError(
+                    f"kind='single' trains one data-parallel rank, but the data-parallel mesh has {mesh.size()} "
+                    f"ranks ({sizes}); use kind='fsdp', 'hsdp' or 'replicate'."
+                )
+            return parallelize_single_device(module, mixed_precision=_mixed_precision(config))
         case HsdpConfig():
             _require_dim(mesh, config.shard_dim, "hsdp")
             for unit in _units(config, module):
@@ -127,7 +149,7 @@ def build_data_parallel(config: AnyDataParallelConfig, module: nn.Module, mesh: 
             assert_never(config)
 
 
-def _mixed_precision(config: ReplicateConfig | _ShardedConfig) -> MixedPrecision | None:
+def _mixed_precision(config: ReplicateConfig | _ShardedConfig | SingleDeviceConfig) -> MixedPrecision | None:
     return config.mixed_precision.build() if config.mixed_precision else None
 
 

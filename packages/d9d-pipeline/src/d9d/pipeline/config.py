@@ -151,9 +151,8 @@ def plan_pipeline(
     """Check a pipeline before any rank starts (a launcher calls this); raises `ValueError` naming the values.
 
     Checks: micro-batches per step that the schedule can run, a layer count every stage can get a share of (equal
-    shares when `even_split`), and no split-backward schedule with FSDP (`dp_shard > 1`, see design note 0008) or
-    with tensor parallelism (`tp > 1` runs under FSDP, which reduces the tensor-parallel gradients of the replicated
-    norms; design note 0016).
+    shares when `even_split`), and no split-backward schedule with tensor parallelism (`tp > 1`: not covered by a
+    parity test yet, design note 0016). FSDP (`dp_shard > 1`) works with every schedule (docs/pipeline.md).
     """
     if pp < 1:
         raise ValueError(f"pp={pp} must be at least 1")
@@ -171,11 +170,6 @@ def plan_pipeline(
             f"num_layers={num_layers} with virtual_layers_pre={config.virtual_layers_pre} and "
             f"virtual_layers_post={config.virtual_layers_post} gives {slots} layer slots, not divisible by "
             f"{layout.num_stages} stages (pp={pp} x {layout_stages} for {kind}); even_split asks for equal shares"
-        )
-    if dp_shard > 1 and kind in SPLIT_BACKWARD_SCHEDULES:
-        raise ValueError(
-            f"schedule {kind} splits backward into input and weight gradients, which FSDP (dp_shard={dp_shard}) "
-            "cannot follow yet; use gpipe, 1f1b or interleaved_1f1b with dp_shard > 1, or dp_replicate"
         )
     if tp > 1 and kind in SPLIT_BACKWARD_SCHEDULES:
         raise ValueError(

@@ -5,7 +5,8 @@
 Bits per byte uses the shard set's bytes per token (`num_bytes / num_tokens` of its index): packed rows cut
 documents, so per-row byte counts do not exist; over a whole pass the ratio is exact. Rank 0 writes
 `evaluation.json` and `evaluation.md` into `output`, and with `downstream` set, `downstream.json`: the scores of
-lm-eval tasks (lm_eval's own evaluator over d9d's adapter) and greedy continuations of fixed prompts.
+lm-eval tasks (lm_eval's own evaluator over d9d's adapter) and greedy continuations of fixed prompts. With
+`downstream` and `degrees.tp > 1` the model is built without sequence parallelism (`whole_sequence_topology`).
 
     torchrun --nproc-per-node N -m d9d.flows.jobs.evaluate.program --suite --config suite.yaml
 
@@ -39,6 +40,7 @@ from d9d.flows.jobs.launch import emit_progress, prepare_rank
 from d9d.flows.jobs.rank_wiring import (
     build_rank_model,
     data_parallel_size,
+    log_topology,
     packed_loader,
     packed_source,
     packed_task,
@@ -76,12 +78,24 @@ def load_model(config: EvaluateConfig, ctx: DistributedContext) -> tuple[BuiltMo
     checkpoint = resolve_checkpoint(config.checkpoint)
     if checkpoint is not None and config.weights is not None:
         raise ValueError(f"checkpoint={config.checkpoint} and weights={config.weights}: set one of them, not both")
-    built = build_rank_model(config, config.model, ctx, microbatches_per_step=1)  # one micro-batch per step
+    topology = whole_sequence_topology(config) if config.downstream is not None else config
+    built = build_rank_model(topology, config.model, ctx, microbatches_per_step=1)  # one micro-batch per step
     if checkpoint is not None:
         load_model_weights(checkpoint, built.model)
     elif config.weights is not None:
         load_converted_weights(config.weights, built.model, pipeline_stages=ctx.degrees.pp > 1)
     return built, checkpoint if checkpoint is not None else config.weights
+
+
+def whole_sequence_topology(config: EvaluateConfig) -> EvaluateConfig:
+    """`config` with tensor parallelism's replicated-activation layout: task scoring forwards any length and
+    generation's decode steps one token per row, neither of which sequence parallelism can split (docs/design/0019).
+    The held-out loss is the same either way (the same sums, reduced in another order); async TP has nothing to
+    fuse without sequence parallelism, so it is off."""
+    if config.degrees.tp <= 1 or not config.tensor_parallel.sequence_parallel:
+        return config
+    layout = config.tensor_parallel.model_copy(update={"sequence_parallel": False, "async_tp": False})
+    return config.model_copy(update={"tensor_parallel": layout})
 
 
 def run_evaluate(
@@ -178,6 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         configs = [load_config(EvaluateConfig, args.config, args.overrides)]
     first = configs[0]
     with DistributedContext.build(first.degrees, device=first.device, timeout=timedelta(minutes=10)) as ctx:
+        log_topology("evaluate", first, ctx)
         evaluator: DownstreamEvaluator | None = None
         for config in configs:
             loaded = load_model(config, ctx)

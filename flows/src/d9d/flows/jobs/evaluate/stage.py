@@ -423,13 +423,22 @@ def preflight(config: JobConfig) -> None:
             f"(evaluate.nproc_per_node={section.nproc_per_node}, {degrees.describe()}); every data-parallel rank "
             "evaluates the same number of rows per step"
         )
-    parallel = {name: value for name in ("tp", "cp", "pp") if (value := getattr(degrees, name)) > 1}
-    if parallel and (section.tasks or section.prompts):
+    # Tensor parallelism scores and generates (without sequence parallelism, which the program turns off for it);
+    # context parallelism splits every sequence over ranks and pipeline stages hold no whole model.
+    why = {
+        "cp": "it splits every sequence over ranks, and a decode step has one token per row",
+        "pp": "each pipeline stage holds part of the layers; the adapter and generation run a whole model per rank",
+    }
+    refused = {name: value for name in why if (value := getattr(degrees, name)) > 1}
+    if degrees.ep > 1 and degrees.tp > 1:
+        why["ep"] = "with tp, expert dispatch of whole (not sequence-parallel) activations has no parity test yet"
+        refused["ep"] = degrees.ep
+    if refused and (section.tasks or section.prompts):
+        shown = ", ".join(f"evaluate.degrees.{name}={value} ({why[name]})" for name, value in refused.items())
         raise PreflightError(
-            f"evaluate.tasks and evaluate.prompts (task scores and sample continuations) run on whole models, not "
-            f"under {', '.join(f'{name}={value}' for name, value in parallel.items())}: set evaluate.tasks=[] and "
-            "evaluate.prompts=[] to evaluate held-out loss alone with these degrees, or evaluate with data "
-            "parallelism only"
+            f"evaluate.tasks and evaluate.prompts (task scores and sample continuations) are not supported with "
+            f"{shown}: set evaluate.tasks=[] and evaluate.prompts=[] to evaluate held-out loss alone with these "
+            "degrees, or evaluate with data and tensor parallelism (degrees.tp) only"
         )
     if section.tasks and find_spec("lm_eval") is None:
         raise PreflightError(

@@ -33,9 +33,12 @@ def token_group(ctx: DistributedContext | None) -> dist.ProcessGroup | None:
 def sum_over(values: list[float], group: dist.ProcessGroup | None, device: torch.device | None = None) -> list[float]:
     """Element-wise sums over `group`, in float64 (exact for token counts below 2**53), communicated on `device`
     (the process group's device: CUDA for NCCL)."""
+    if group is None:
+        # One process: the sums are the values. No device round trip, which would wait for every queued kernel
+        # (at the start of a step, for the previous step's optimizer) for nothing.
+        return [float(value) for value in values]
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    if group is not None:
-        dist.all_reduce(tensor, group=group)
+    dist.all_reduce(tensor, group=group)
     return [float(value) for value in tensor.tolist()]
 
 

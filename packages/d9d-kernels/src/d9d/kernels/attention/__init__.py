@@ -1,18 +1,23 @@
-"""Attention kernels behind one interface: eager reference, PyTorch SDPA, FlashAttention 2 (optional)."""
+"""Attention kernels behind one interface: eager reference, PyTorch SDPA (any kernel, or cuDNN only), FlexAttention,
+FlashAttention 2 (optional)."""
 
 from d9d.kernels.attention.api import AttentionBackend
 from d9d.kernels.attention.config import (
     ATTENTION_CONFIG_ADAPTER,
     AnyAttentionConfig,
+    CudnnAttentionConfig,
     EagerAttentionConfig,
     FlashAttention2Config,
+    FlexAttentionConfig,
     SdpaAttentionConfig,
     build_attention_backend,
     detect_attention_config,
     resolve_attention_config,
 )
+from d9d.kernels.attention.cudnn import CudnnAttention
 from d9d.kernels.attention.eager import EagerAttention
 from d9d.kernels.attention.flash import FlashAttention2
+from d9d.kernels.attention.flex import FlexAttention, block_mask_for
 from d9d.kernels.attention.mask import AttentionMask
 from d9d.kernels.attention.sdpa import SdpaAttention
 
@@ -21,12 +26,17 @@ __all__ = [
     "AnyAttentionConfig",
     "AttentionBackend",
     "AttentionMask",
+    "CudnnAttention",
+    "CudnnAttentionConfig",
     "EagerAttention",
     "EagerAttentionConfig",
     "FlashAttention2",
     "FlashAttention2Config",
+    "FlexAttention",
+    "FlexAttentionConfig",
     "SdpaAttention",
     "SdpaAttentionConfig",
+    "block_mask_for",
     "build_attention_backend",
     "detect_attention_config",
     "resolve_attention_config",

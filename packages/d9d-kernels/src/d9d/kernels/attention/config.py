@@ -7,8 +7,10 @@ from typing import Annotated, Literal, assert_never
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from d9d.kernels.attention.api import AttentionBackend
+from d9d.kernels.attention.cudnn import CudnnAttention
 from d9d.kernels.attention.eager import EagerAttention
 from d9d.kernels.attention.flash import FlashAttention2
+from d9d.kernels.attention.flex import FlexAttention
 from d9d.kernels.attention.sdpa import SdpaAttention
 from d9d.kernels.capability import Capabilities
 from d9d.kernels.selection import resolve_backend_config
@@ -37,8 +39,23 @@ class FlashAttention2Config(BaseModel):
     kind: Literal["flash_attn_2"] = "flash_attn_2"
 
 
+class CudnnAttentionConfig(BaseModel):
+    """SDPA restricted to its cuDNN kernel (CUDA only): fails rather than falling back to another kernel."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    kind: Literal["cudnn"] = "cudnn"
+
+
+class FlexAttentionConfig(BaseModel):
+    """FlexAttention with causal/document block masks (compiled on CUDA; the eager function elsewhere)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    kind: Literal["flex"] = "flex"
+
+
 AnyAttentionConfig = Annotated[
-    EagerAttentionConfig | SdpaAttentionConfig | FlashAttention2Config, Field(discriminator="kind")
+    EagerAttentionConfig | SdpaAttentionConfig | FlashAttention2Config | CudnnAttentionConfig | FlexAttentionConfig,
+    Field(discriminator="kind"),
 ]
 ATTENTION_CONFIG_ADAPTER: TypeAdapter[AnyAttentionConfig] = TypeAdapter(AnyAttentionConfig)
 
@@ -76,5 +93,9 @@ def build_attention_backend(
             return SdpaAttention()
         case FlashAttention2Config():
             return FlashAttention2()
+        case CudnnAttentionConfig():
+            return CudnnAttention()
+        case FlexAttentionConfig():
+            return FlexAttention()
         case _:
             assert_never(resolved)

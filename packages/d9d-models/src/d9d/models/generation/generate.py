@@ -11,6 +11,7 @@ forwards, since each forward gathers parameters).
 from __future__ import annotations
 
 import enum
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -93,25 +94,69 @@ def _left_aligned(rows: list[list[int]], pad: int, device: torch.device) -> tupl
 
 
 def _check_supported(model: nn.Module, config: GenerationConfig, decode: Callable[[list[int]], str] | None) -> None:
-    """Stop strings need `decode`. Tensor parallelism here always brings sequence parallelism, which splits
-    activations along the sequence: a one-token decode step cannot be split, so such a model is refused up front."""
     if config.stop_strings and decode is None:
         raise ValueError(f"stop_strings={config.stop_strings} need a decode callback to turn tokens into text")
+    check_whole_sequences(model)
+
+
+def check_whole_sequences(model: nn.Module) -> None:
+    """Refuse a model whose ranks split sequences. A decode step feeds one token per row (and scoring any length),
+    so context parallelism (each rank holds a shard of every sequence) and sequence parallelism (tensor parallelism's
+    training layout) cannot run it; tensor parallelism with replicated activations can.
+
+    Raises:
+        NotImplementedError: naming the module that splits sequences and how to parallelize instead.
+    """
     for name, module in model.named_modules():
+        where = name or "the model"
         if getattr(module, "sequence_sharded", False):
             raise NotImplementedError(
-                f"generation does not support context-parallel models ({name or 'the model'} holds a shard of every "
-                "sequence); generate with cp=1"
+                f"generation does not support context-parallel models: {where} holds a shard of every sequence "
+                "(cp > 1), and a decode step has one token per row to split; parallelize the model for generation "
+                "with cp=1 (tp and FSDP/HSDP data parallelism are supported)"
             )
-    for name, parameter in model.named_parameters():
+        mesh = getattr(module, "sequence_parallel_mesh", None)
+        if mesh is not None:
+            raise NotImplementedError(
+                f"generation needs tensor parallelism without sequence parallelism: {where} splits its activations "
+                f"along the sequence over tp={mesh.size()}, and a decode step has one token per row; parallelize "
+                "with tensor_parallel=TensorParallelConfig(sequence_parallel=False) (same parameter layout, so the "
+                "same checkpoint loads)"
+            )
+
+
+def _tensor_parallel_group(model: nn.Module) -> dist.ProcessGroup | None:
+    """The `tp` group of a tensor-parallel model (its ranks hold slices of the same layers), else None."""
+    for parameter in model.parameters():
         mesh = getattr(parameter, "device_mesh", None)
         names = getattr(mesh, "mesh_dim_names", None) or ()
         if mesh is not None and "tp" in names and mesh.size(names.index("tp")) > 1:
-            raise NotImplementedError(
-                f"generation does not support tensor-parallel models yet ({name} is sharded over tp="
-                f"{mesh.size(names.index('tp'))}, which comes with sequence parallelism); generate with tp=1 "
-                "(FSDP/replicate data parallelism is supported, with process_group=)"
-            )
+            group: dist.ProcessGroup = mesh.get_group("tp")
+            return group
+    return None
+
+
+def _check_same_on_tp_ranks(
+    model: nn.Module, rows: list[list[int]], config: GenerationConfig, device: torch.device
+) -> None:
+    """The ranks of a tensor-parallel model's `tp` group compute one generation together: they must be given the
+    same prompts and config (a mismatch would otherwise hang or silently mix rows)."""
+    group = _tensor_parallel_group(model)
+    if group is None:
+        return
+    text = repr((rows, config.model_dump(mode="json")))
+    digest = torch.tensor(
+        [int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")], device=device
+    )
+    lowest, highest = digest.clone(), digest.clone()
+    dist.all_reduce(lowest, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=group)
+    if int(lowest) != int(highest):
+        raise ValueError(
+            f"the tp ranks {dist.get_process_group_ranks(group)} were given different prompts or generation configs; "
+            "tensor-parallel ranks generate the same rows together (give each data-parallel rank its own prompts, "
+            "the same on all of its tp ranks)"
+        )
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -147,11 +192,15 @@ def generate(
     return_logits: bool = False,
 ) -> GenerationResult:
     """Continue each prompt (a list of token-id lists, or a padded `(batch, seq)` tensor with `prompt_lengths` and
-    its `padding_side`) with `model`, a whole causal LM from the catalogue (possibly FSDP-sharded: then pass the
-    data-parallel `process_group`, so every rank runs the same number of forwards)."""
+    its `padding_side`) with `model`, a whole causal LM from the catalogue. A sharded model works: FSDP/HSDP (pass
+    `process_group`, every rank that joins the model's collectives, so they all run the same number of forwards)
+    and tensor parallelism without sequence parallelism (`TensorParallelConfig(sequence_parallel=False)`; the ranks
+    of a `tp` group must be given the same prompts and config, and get the same tokens: every rank samples from the
+    same gathered full-vocabulary logits with the same seeded generator)."""
     _check_supported(model, config, decode)
     rows = _prompt_rows(prompts, prompt_lengths, padding_side)
     device = _model_device(model)
+    _check_same_on_tp_ranks(model, rows, config, device)
     ids, start = _left_aligned(rows, config.pad_token_id, device)
     batch, prompt_len = ids.shape
     max_len = prompt_len + config.max_new_tokens

@@ -25,7 +25,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from torch import nn
 from torch.nn import functional
 
-from d9d.models.generation.generate import GenerationConfig, generate
+from d9d.models.generation.generate import GenerationConfig, check_whole_sequences, generate
 from d9d.models.generation.sampling import SamplingConfig
 
 
@@ -77,8 +77,9 @@ class D9dHarnessLM(LM):  # type: ignore[misc]  # lm_eval ships no type informati
     """`model`: a whole causal LM of the catalogue on its device (eval mode is set). `max_length`: the longest
     sequence one forward sees (longer contexts lose their oldest tokens). `batch_size`: requests per forward.
 
-    An FSDP-sharded model works when every rank of `process_group` runs the same requests (lm_eval sees one
-    process: `rank` 0, `world_size` 1): scoring then makes the same forwards everywhere, and generation keeps
+    An FSDP-sharded or tensor-parallel model (`TensorParallelConfig(sequence_parallel=False)`) works when every rank
+    of `process_group` runs the same requests (lm_eval sees one process: `rank` 0, `world_size` 1): scoring then
+    makes the same forwards everywhere (a tp model's logits come back whole on each rank), and generation keeps
     stepping until every rank has stopped."""
 
     def __init__(
@@ -96,6 +97,7 @@ class D9dHarnessLM(LM):  # type: ignore[misc]  # lm_eval ships no type informati
             raise ValueError(f"max_length={max_length} must be at least 2 (a context token and a target)")
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be at least 1")
+        check_whole_sequences(model)
         self.model = model.eval()
         self.codec = codec
         self.max_length, self.batch_size, self.max_gen_toks = max_length, batch_size, max_gen_toks

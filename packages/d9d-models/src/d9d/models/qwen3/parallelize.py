@@ -42,6 +42,7 @@ from d9d.parallel import (
     GradientSync,
     HsdpConfig,
     ReplicateConfig,
+    SingleDeviceConfig,
     build_data_parallel,
     parallelize_fsdp,
     parallelize_hsdp,
@@ -117,9 +118,9 @@ def _parallelize(
     _refuse_unsupported(ctx, family)
     tp = ctx.degrees.tp
     if tp > 1:
-        if isinstance(config, ReplicateConfig):
+        if isinstance(config, ReplicateConfig | SingleDeviceConfig):
             raise ValueError(
-                f"{family.name}: kind='replicate' with tp={tp} is not supported: FSDP reduces the tensor-parallel "
+                f"{family.name}: kind={config.kind!r} with tp={tp} is not supported: FSDP reduces the tensor-parallel "
                 "gradients of the replicated (norm) parameters; use kind='fsdp' (with dp_shard=1 it is tp alone) "
                 "or kind='hsdp'."
             )
@@ -127,6 +128,12 @@ def _parallelize(
             model, ctx.mesh_for(MeshDomain.DENSE)["tp"], family.tensor_parallel(model), tensor_parallel
         )
     parallelize_context(model, ctx, context)
+    if ctx.degrees.ep > 1 and tp > 1 and not tensor_parallel.sequence_parallel:
+        raise NotImplementedError(
+            f"{family.name}: ep={ctx.degrees.ep} with tp={tp} and sequence_parallel=False (the inference layout) is "
+            "not supported yet: no parity test covers expert dispatch of replicated activations; generate or score "
+            "with ep=1 or tp=1"
+        )
     if ctx.degrees.ep > 1:
         _expert_parallel(model, ctx, config, family)
     return _data_parallel(model, ctx, config)
@@ -140,11 +147,10 @@ def _expert_parallel(
     data-parallel step then skips them, and under tp the MoE block's unit over `dp_cp_shard x tp` keeps only the
     router (docs/design/0007, 0021)."""
     degrees = ctx.degrees
-    if isinstance(config, ReplicateConfig):
+    if isinstance(config, ReplicateConfig | SingleDeviceConfig):
         raise ValueError(
             f"{family.name}: expert parallelism (ep={degrees.ep}) needs kind='fsdp' or kind='hsdp' data parallelism, "
-            "got kind='replicate': the bucketed replicate synchroniser would all-reduce expert gradients over ranks "
-            "that hold different experts."
+            f"got kind={config.kind!r}: experts are sharded over the expert domain by FSDP over ep_replicate."
         )
     mixed_precision = config.mixed_precision.build() if config.mixed_precision else None
     parallelize_experts(model, ctx, mixed_precision=mixed_precision, reshard_after_forward=config.reshard_after_forward)

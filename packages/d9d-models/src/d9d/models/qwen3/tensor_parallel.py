@@ -1,5 +1,9 @@
 """Tensor + sequence-parallel plans of the Qwen3 families (docs/design/0005), and the check of the `tp` degree.
 
+The same plan runs in two layouts (`TensorParallelConfig.sequence_parallel`): with sequence parallelism (training)
+the activations between regions are split along the sequence; without it (inference, docs/design/0019) they are
+whole on every rank, each region ending in an all-reduce. Parameters are placed identically in both.
+
 A plan is a list of (selector, style) entries applied in order; a module takes the style of the first entry that
 selects it. Selectors are names (segment patterns, see `d9d.parallel.plan`) or roles, never classes, so a LoRA
 wrapper at `self_attn.q_proj` is split like the linear it replaced.
@@ -23,11 +27,13 @@ from d9d.models.qwen3.params import Qwen3DenseParameters, Qwen3MoeParameters
 from d9d.models.roles import Role
 from d9d.parallel import ByName, ByRole, ModuleSelector, select_modules
 from d9d.parallel.tensor import (
+    REPLICATED,
     TensorParallelConfig,
     enable_async_tp,
     fold_tp_into_shard,
     parallelize_column,
     parallelize_local_region,
+    parallelize_replicated,
     parallelize_row,
     parallelize_sequence,
     parallelize_vocab_embedding,
@@ -50,7 +56,7 @@ __all__ = [
 class TpStyle(enum.StrEnum):
     COLUMN = "column"  # split output features (q/k/v, gate/up)
     ROW = "row"  # split input features, reduce-scatter to the sequence shard (o, down)
-    SEQUENCE = "sequence"  # replicated parameters on the sequence shard (norms between blocks)
+    SEQUENCE = "sequence"  # replicated parameters on the activations between blocks (norms): sequence shard or whole
     PER_HEAD = "per_head"  # replicated parameters on this rank's heads (q/k RMSNorm)
     REGION_INPUT = "region_input"  # gather the sequence at the entry of attention / FFN
     LOCAL_REGION = "local_region"  # run on the sequence shard with data-parallel parameters (MoE block)
@@ -58,7 +64,7 @@ class TpStyle(enum.StrEnum):
     VOCAB_HEAD = "vocab_head"
 
 
-_STYLES: dict[TpStyle, Callable[[nn.Module, DeviceMesh], None]] = {
+_SEQUENCE_PARALLEL_STYLES: dict[TpStyle, Callable[[nn.Module, DeviceMesh], None]] = {
     TpStyle.COLUMN: parallelize_column,
     TpStyle.ROW: parallelize_row,
     TpStyle.SEQUENCE: parallelize_sequence,
@@ -67,6 +73,14 @@ _STYLES: dict[TpStyle, Callable[[nn.Module, DeviceMesh], None]] = {
     TpStyle.LOCAL_REGION: parallelize_local_region,
     TpStyle.VOCAB_EMBEDDING: parallelize_vocab_embedding,
     TpStyle.VOCAB_HEAD: parallelize_vocab_head,
+}
+# Without sequence parallelism: the same parameter placements, activations `Replicate` between regions.
+_REPLICATED_STYLES: dict[TpStyle, Callable[[nn.Module, DeviceMesh], None]] = {
+    **_SEQUENCE_PARALLEL_STYLES,
+    TpStyle.ROW: lambda module, mesh: parallelize_row(module, mesh, output=REPLICATED),
+    TpStyle.SEQUENCE: parallelize_replicated,
+    TpStyle.LOCAL_REGION: lambda module, mesh: parallelize_local_region(module, mesh, placement=REPLICATED),
+    TpStyle.VOCAB_EMBEDDING: lambda module, mesh: parallelize_vocab_embedding(module, mesh, output=REPLICATED),
 }
 
 
@@ -122,13 +136,15 @@ def qwen3_moe_tp_plan(model: nn.Module) -> TensorParallelPlan:
 def apply_qwen3_tensor_parallel(
     model: nn.Module, mesh: DeviceMesh, plan: TensorParallelPlan, config: TensorParallelConfig
 ) -> None:
-    """Apply `plan` on the 1-D `tp` mesh, in place, on a model built on the meta device.
+    """Apply `plan` on the 1-D `tp` mesh, in place, on a model built on the meta device, with or without sequence
+    parallelism (`config.sequence_parallel`; without it an MoE block routes every token on every tp rank).
 
     Raises:
         ValueError: the shapes do not divide by the mesh size (see `check_qwen3_tp_degrees`), or a parameter outside
             the MoE blocks was left out of the plan (it would silently train differently on each tp rank).
     """
     check_qwen3_tp_degrees(plan.params, mesh.size())
+    styles = _SEQUENCE_PARALLEL_STYLES if config.sequence_parallel else _REPLICATED_STYLES
     claimed: set[int] = set()
     local_regions: list[nn.Module] = []
     for selector, style in plan.entries:
@@ -136,15 +152,17 @@ def apply_qwen3_tensor_parallel(
             if id(module) in claimed:
                 continue
             claimed.add(id(module))
-            _STYLES[style](module, mesh)
+            styles[style](module, mesh)
             if style is TpStyle.LOCAL_REGION:
                 local_regions.append(module)
-                if isinstance(module, TokenSharded):  # an MoE block: loads and aux losses span the tp shards
+                # An MoE block on a sequence shard: loads and aux losses span the tp shards. Replicated, every rank
+                # routes all the tokens and its own counts are the whole batch's.
+                if isinstance(module, TokenSharded) and config.sequence_parallel:
                     module.token_shard_group = mesh.get_group()
     _check_covered(model, local_regions)
     for module in model.modules():
-        if isinstance(module, DecoderBackbone):  # pipeline stages hand over their sequence shard (see there)
-            module.sequence_parallel_mesh = mesh
+        if isinstance(module, DecoderBackbone) and config.sequence_parallel:
+            module.sequence_parallel_mesh = mesh  # pipeline stages hand over their sequence shard (see there)
     if config.async_tp:
         enable_async_tp(mesh)
 

@@ -10,7 +10,10 @@ device (the d9d life cycle), or to one every rank initialised identically.
 
 Between blocks the activations are `Shard(1)` DTensors (sequence parallel): a region all-gathers its input along
 the sequence (`prepare_region_input`), runs column-parallel linears on local tensors, and a row-parallel linear
-reduce-scatters its partial output back to `Shard(1)`.
+reduce-scatters its partial output back to `Shard(1)`. Without sequence parallelism (inference: a one-token decode
+step cannot be split along the sequence) the activations are `Replicate` DTensors instead: the row-parallel linear
+all-reduces (`output=REPLICATED`), norms run replicated (`parallelize_replicated`), and the region entry has nothing
+to gather.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from torch.distributed.tensor import (
 
 SEQUENCE = Shard(1)
 """Where the sequence dimension of a `(batch, seq, ...)` activation lives under sequence parallelism."""
+REPLICATED = Replicate()
+"""Activations between regions without sequence parallelism: every rank holds them whole."""
 
 # A column-parallel linear splits its output features: the parameters on the output side are split by rows.
 COLUMN_PLACEMENTS: Mapping[str, Placement] = {"weight": Shard(0), "bias": Shard(0), "lora_B": Shard(0)}
@@ -80,6 +85,15 @@ def parallelize_sequence(module: nn.Module, mesh: DeviceMesh, *, dim: int = 1, u
     )
 
 
+def parallelize_replicated(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Replicate `module`'s parameters and run it on whole (`Replicate`) activations: the norms between regions
+    without sequence parallelism."""
+    _require_1d(mesh, "parallelize_replicated")
+    distribute_module(
+        module, mesh, partition_fn=_partition_by_name({}), input_fn=_first_input_as((REPLICATED,)), output_fn=None
+    )
+
+
 def prepare_region_input(module: nn.Module, mesh: DeviceMesh) -> None:
     """Gather `module`'s first input along the sequence (`Shard(1) -> Replicate`) and hand it in as a local tensor:
     the entry of a tensor-parallel region (attention, FFN). Its backward reduce-scatters the partial gradients."""
@@ -87,12 +101,13 @@ def prepare_region_input(module: nn.Module, mesh: DeviceMesh) -> None:
     module.register_forward_pre_hook(lambda _module, args: _gathered_local(args, mesh))
 
 
-def parallelize_local_region(module: nn.Module, mesh: DeviceMesh) -> None:
-    """Run `module` on this rank's sequence shard as plain tensors (`Shard(1)` in and out): for blocks whose
-    parameters are not tensor-parallel, e.g. an MoE block sharded over `dp x tp` by FSDP."""
+def parallelize_local_region(module: nn.Module, mesh: DeviceMesh, *, placement: Placement = SEQUENCE) -> None:
+    """Run `module` on this rank's part of the activations as plain tensors (`placement` in and out; default the
+    sequence shard, `REPLICATED`: the whole activations, computed alike on every rank): for blocks whose parameters
+    are not tensor-parallel, e.g. an MoE block sharded over `dp x tp` by FSDP."""
     _require_1d(mesh, "parallelize_local_region")
-    module.register_forward_pre_hook(lambda _module, args: _sequence_local(args, mesh))
-    module.register_forward_hook(lambda _module, _args, output: _sequence_dtensor(output, mesh))
+    module.register_forward_pre_hook(lambda _module, args: _placed_local(args, placement))
+    module.register_forward_hook(lambda _module, _args, output: _placed_dtensor(output, mesh, placement))
 
 
 def _require_1d(mesh: DeviceMesh, name: str) -> None:
@@ -189,16 +204,16 @@ def _gathered_local(args: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
     return (first.redistribute(placements=(Replicate(),)).to_local(grad_placements=(Partial(),)), *rest)
 
 
-def _sequence_local(args: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
+def _placed_local(args: tuple[Any, ...], placement: Placement) -> tuple[Any, ...]:
     first, rest = args[0], args[1:]
     if isinstance(first, DTensor):
-        if tuple(first.placements) != (SEQUENCE,):
-            first = first.redistribute(placements=(SEQUENCE,))
+        if tuple(first.placements) != (placement,):
+            first = first.redistribute(placements=(placement,))
         first = first.to_local()
     return (first, *rest)
 
 
-def _sequence_dtensor(output: Any, mesh: DeviceMesh) -> Any:
+def _placed_dtensor(output: Any, mesh: DeviceMesh, placement: Placement) -> Any:
     if isinstance(output, torch.Tensor) and not isinstance(output, DTensor):
-        return DTensor.from_local(output, mesh, (SEQUENCE,), run_check=False)
+        return DTensor.from_local(output, mesh, (placement,), run_check=False)
     return output

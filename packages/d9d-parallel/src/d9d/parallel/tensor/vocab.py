@@ -14,20 +14,28 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 
 from d9d.parallel.tensor.styles import SEQUENCE
 
 IGNORE_INDEX = -100
 
 
-def parallelize_vocab_embedding(module: nn.Module, mesh: DeviceMesh) -> None:
-    """Split the token table of `module` by rows over the 1-D `mesh`; `(batch, seq)` ids in (`seq` divisible by the
-    mesh size), `Shard(1)` activations out.
+def parallelize_vocab_embedding(module: nn.Module, mesh: DeviceMesh, *, output: Placement = SEQUENCE) -> None:
+    """Split the token table of `module` by rows over the 1-D `mesh`; `(batch, seq)` ids in, activations placed as
+    `output` out: `Shard(1)` (sequence parallel; `seq` must divide by the mesh size) or `Replicate()` (any `seq`).
 
     Each rank looks up the ids of its row range (zeros elsewhere) and the partial sums are reduce-scattered along
-    the sequence. `module` computes `embedding(ids, weight)` from its one parameter named `weight` (wrappers
-    included); a table split into several parameters (vocabulary segments) is refused.
+    the sequence (or all-reduced). `module` computes `embedding(ids, weight)` from its one parameter named `weight`
+    (wrappers included); a table split into several parameters (vocabulary segments) is refused.
 
     Raises:
         ValueError: `module` has no or several `weight` parameters, or its rows do not divide by the mesh size.
@@ -48,7 +56,8 @@ def parallelize_vocab_embedding(module: nn.Module, mesh: DeviceMesh) -> None:
 
     def ids_in(_module: nn.Module, inputs: tuple[Any, ...], sub_mesh: DeviceMesh) -> Any:  # torch types it None
         ids = inputs[0]
-        if isinstance(ids, torch.Tensor) and ids.ndim >= 2 and ids.shape[1] % sub_mesh.size() != 0:
+        splits_sequence = output == SEQUENCE
+        if splits_sequence and isinstance(ids, torch.Tensor) and ids.ndim >= 2 and ids.shape[1] % sub_mesh.size():
             raise ValueError(
                 f"sequence length {ids.shape[1]} is not divisible by tp={sub_mesh.size()}: sequence parallelism "
                 f"splits every sequence evenly over the tp ranks; pad or pack to a multiple of {sub_mesh.size()}."
@@ -57,10 +66,10 @@ def parallelize_vocab_embedding(module: nn.Module, mesh: DeviceMesh) -> None:
             ids = DTensor.from_local(ids, sub_mesh, (Replicate(),), run_check=False)
         return (ids, *inputs[1:])
 
-    def sequence_out(_module: nn.Module, output: Any, _mesh: DeviceMesh) -> Any:
-        return output.redistribute(placements=(SEQUENCE,)) if isinstance(output, DTensor) else output
+    def placed_out(_module: nn.Module, looked_up: Any, _mesh: DeviceMesh) -> Any:
+        return looked_up.redistribute(placements=(output,)) if isinstance(looked_up, DTensor) else looked_up
 
-    distribute_module(module, mesh, partition_fn=partition, input_fn=ids_in, output_fn=sequence_out)
+    distribute_module(module, mesh, partition_fn=partition, input_fn=ids_in, output_fn=placed_out)
 
 
 def parallelize_vocab_head(module: nn.Module, mesh: DeviceMesh) -> None:

@@ -18,12 +18,14 @@ from torch import nn
 
 from d9d.core.loop.protocols import LossResult
 from d9d.pipeline.program import Action, ActionKind, Program, StageLayout
+from d9d.pipeline.runtime.fsdp_reduction import DeferredReduction, fsdp_roots
 from d9d.pipeline.runtime.p2p import Communicator, ReceiveHandle
 from d9d.pipeline.runtime.split_backward import WeightGradientWork, backward_input, backward_weight
 from d9d.pipeline.stage import PipelineStage
 from d9d.pipeline.task import PipelineTask
 
 Key = tuple[int, int]  # (stage, micro-batch)
+_BACKWARDS = frozenset({ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT})
 
 
 @dataclass
@@ -41,6 +43,9 @@ class _Step:
     loss_scale: float
     training: bool
     outcome: StepOutcome = field(default_factory=StepOutcome)
+    # The losses summed on the device: a `float()` per micro-batch would wait for the GPU each time and let the
+    # host fall behind the kernels it should be queueing; read once at the end of the step.
+    loss_total: torch.Tensor | None = None
     inputs: dict[Key, torch.Tensor | None] = field(default_factory=dict)  # stage inputs (leaves when received)
     outputs: dict[Key, torch.Tensor] = field(default_factory=dict)  # activation, or the scaled loss on the last
     received: dict[tuple[str, int, int], tuple[torch.Tensor, ReceiveHandle]] = field(default_factory=dict)
@@ -69,8 +74,8 @@ class PipelineExecutor:
             raise ValueError(f"pp={layout.pp} needs the pipeline process group")
         self.modules, self.layout, self.rank, self.device = dict(modules), layout, pipeline_rank, device
         self.group = group
-        self._params = {
-            stage: [param for param in module.parameters() if param.requires_grad] for stage, module in modules.items()
+        self._fsdp = {
+            stage: DeferredReduction(roots) for stage, module in modules.items() if (roots := fsdp_roots(module))
         }
 
     def stage_info(self, stage: int) -> PipelineStage:
@@ -85,15 +90,37 @@ class PipelineExecutor:
             )
         step = _Step(batches=batches, loss_scale=loss_scale, training=program.training)
         comm = Communicator(self.group) if self.group is not None else None
-        for action in program.for_rank(self.rank):
-            if action.kind.is_compute:
-                self._compute(action, task, step)
-            else:
-                assert comm is not None, f"{action} in a single-rank program"
-                self._communicate(action, task, step, comm)
+        actions = program.for_rank(self.rank)
+        deferred = self._deferred_reductions(actions) if program.training else {}
+        try:
+            for reduction in deferred.values():
+                reduction.begin()
+            for index, action in enumerate(actions):
+                if action.kind.is_compute:
+                    self._compute(action, task, step)
+                else:
+                    assert comm is not None, f"{action} in a single-rank program"
+                    self._communicate(action, task, step, comm)
+                if index in deferred:
+                    deferred.pop(index).finish()
+        finally:
+            for reduction in deferred.values():
+                reduction.abandon()
         if comm is not None:
             comm.wait_all()
+        if step.loss_total is not None:
+            step.outcome.loss_sum = float(step.loss_total)
         return step.outcome
+
+    def _deferred_reductions(self, actions: Sequence[Action]) -> dict[int, DeferredReduction]:
+        """For each FSDP stage whose backward is split in `actions`: the index of its last backward action, where
+        its gradients are reduced (runtime/fsdp_reduction.py). Stages with full backwards reduce as FSDP does."""
+        split = {action.stage for action in actions if action.kind is ActionKind.BACKWARD_WEIGHT}
+        last: dict[int, int] = {}
+        for index, action in enumerate(actions):
+            if action.stage in split and action.kind in _BACKWARDS:
+                last[action.stage] = index
+        return {index: self._fsdp[stage] for stage, index in last.items() if stage in self._fsdp}
 
     # Communication -------------------------------------------------------------------------------------------------
 
@@ -138,13 +165,11 @@ class PipelineExecutor:
             case ActionKind.BACKWARD_INPUT:
                 root, grad = self._backward_root(action, step)
                 leaf = step.inputs.pop(key)
-                grads, work = backward_input(
-                    [root], [grad], [leaf] if leaf is not None else [], self._params[action.stage]
-                )
+                grads, work = backward_input([root], [grad], [leaf] if leaf is not None else [])
                 step.weight_work[key] = work
                 self._hand_back(action, step, grads[0] if grads else None)
             case ActionKind.BACKWARD_WEIGHT:
-                backward_weight(step.weight_work.pop(key), self._params[action.stage])
+                backward_weight(step.weight_work.pop(key))
             case _:
                 raise AssertionError(action)
 
@@ -166,7 +191,8 @@ class PipelineExecutor:
         if stage == self.layout.last_stage:
             if not isinstance(result, LossResult):
                 raise TypeError(f"the last stage's forward_stage must return a LossResult, got {type(result).__name__}")
-            step.outcome.loss_sum += float(result.loss_sum.detach().to(torch.float64))
+            loss = result.loss_sum.detach().to(torch.float64)
+            step.loss_total = loss if step.loss_total is None else step.loss_total + loss
             for name, value in result.metrics.items():
                 step.outcome.metric_sums[name] = step.outcome.metric_sums.get(name, 0.0) + float(value)
             if step.training:

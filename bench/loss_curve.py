@@ -1,0 +1,76 @@
+"""Loss-curve check of a fast configuration against the baseline: the same model, seed and data, N steps each.
+
+Both runs go through `bench/trainer_step.py`'s `run_row` (the Trainer, the same initial weights, the same data). Fresh
+uniform random tokens have nothing to learn (the loss sits at ln(vocab)), so the data cycles over `--pool` fixed
+global batches (default 4), which the model memorises at the learning rate 1e-3: the curve falls far and any
+numerical drift of the fast path shows. The report: the maximum over steps of |loss_fast - loss_base| /
+loss_base, the same for a 10-step moving average (what a training curve shows), and the final losses.
+
+    python bench/loss_curve.py --model dense                  # 200 steps: baseline vs the ablation's "all" row
+    python bench/loss_curve.py --model moe --fast 7           # another ablation row (its index)
+    python bench/loss_curve.py --tiny --device cpu --steps 20 # smoke run on CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from d9d.core.dist import DistributedContext, MeshDegrees
+from trainer_step import ABLATION, BASELINE, run_row
+
+
+def moving_average(values: list[float], window: int) -> list[float]:
+    return [sum(values[max(0, i - window + 1) : i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(values))]
+
+
+def max_relative_deviation(fast: list[float], base: list[float]) -> float:
+    return max(abs(a - b) / abs(b) for a, b in zip(fast, base, strict=True))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=["dense", "moe"], default="dense")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--fast", type=int, default=6, help="index of the ablation row to check (default: 'all')")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--pool", type=int, default=4, help="global batches the data cycles over")
+    parser.add_argument("--tolerance", type=float, default=0.02, help="max relative deviation of the smoothed curve")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true")
+    args = parser.parse_args()
+    if args.device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    ctx = DistributedContext.build(MeshDegrees(dp_shard=-1), device=args.device)
+    fast_row = ABLATION[args.fast]
+    curves = {}
+    for row in (BASELINE, fast_row):
+        measured = run_row(
+            ctx, row, model_name=args.model, warmup=0, steps=args.steps, tiny=args.tiny, lr=args.lr, data_pool=args.pool
+        )
+        curves[row.name] = measured.losses
+    base, fast = curves[BASELINE.name], curves[fast_row.name]
+    raw = max_relative_deviation(fast, base)
+    smooth = max_relative_deviation(moving_average(fast, 10), moving_average(base, 10))
+    if ctx.is_main_process:
+        print(f"# {args.model}, {args.steps} steps, lr {args.lr}: {BASELINE.name}  vs  {fast_row.name}")
+        print(f"# {fast_row.describe()}")
+        print("| step | baseline loss | fast loss |")
+        print("|---|---|---|")
+        for step in sorted({0, 9, 49, 99, 149, len(base) - 1}):
+            if step < len(base):
+                print(f"| {step + 1} | {base[step]:.4f} | {fast[step]:.4f} |")
+        verdict = "within" if smooth <= args.tolerance else "OUTSIDE"
+        print(
+            f"max relative deviation: per step {raw:.2%}, 10-step moving average {smooth:.2%} "
+            f"({verdict} the {args.tolerance:.0%} tolerance)",
+            flush=True,
+        )
+    ctx.close()
+    if smooth > args.tolerance:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
