@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+KILL_WAIT_SECONDS = 5
 SLURM_DAEMONS = ("slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel")
 
 
@@ -51,8 +52,15 @@ class SlurmCluster:
 
     def job_field(self, job_id: str, field: str) -> str:
         """One field of `scontrol show job` (e.g. JobState), or "" when the controller has forgotten the job."""
-        out = self.run("scontrol", "show", "job", "-o", job_id, check=False)
-        for item in out.split():
+        command = ("scontrol", "show", "job", "-o", job_id)
+        for _ in range(10):  # a busy controller (8 test sessions on 2 cores) can time out an RPC: ask again
+            result = subprocess.run(command, check=False, env=self.env, capture_output=True, text=True, timeout=60)
+            if result.returncode == 0 or "Invalid job id" in result.stderr:
+                break
+            time.sleep(1.0)
+        else:
+            raise RuntimeError(f"{' '.join(command)} failed ({result.returncode}): {result.stderr.strip()}")
+        for item in result.stdout.split():
             name, _, value = item.partition("=")
             if name == field:
                 return value
@@ -90,7 +98,9 @@ def _slurm_conf(root: Path, node: str, cpus: int, memory_mb: int) -> str:
             "ReturnToService=2",
             "SchedulerType=sched/backfill",
             "SchedulerParameters=sched_interval=1",
-            "KillWait=30",
+            # From a plain scancel's (or a requeue's) SIGTERM to its SIGKILL. Short, so that a test tells it from the
+            # stage's own stop_grace_seconds, which d9d's cancellation gives the ranks instead.
+            f"KillWait={KILL_WAIT_SECONDS}",
             "MinJobAge=600",
             "InactiveLimit=0",
             "SlurmdTimeout=120",

@@ -1,8 +1,9 @@
 """`d9d server start`, `d9d deploy` and `d9d serve` against a real Prefect server on 127.0.0.1.
 
-One server per module, started with `d9d server start` (SQLite in a temporary D9D_HOME; healthy after 10-25 s on
-the 2-core machine). Flow runs execute in real subprocesses: a `prefect worker start --run-once` process worker for
-deployments on a work pool, or the `d9d serve` runner. Marked `isolated`: Prefect starts threads.
+One server per module (`prefect_server.py`), started with `d9d server start` (SQLite in a temporary D9D_HOME;
+healthy after 10-25 s on the 2-core machine). Flow runs execute in real subprocesses: a `prefect worker start
+--run-once` process worker for deployments on a work pool, or the `d9d serve` runner. Marked `isolated`: Prefect
+starts threads.
 """
 
 from __future__ import annotations
@@ -10,21 +11,20 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 import pytest
 import yaml
+from prefect_server import Server, flow_run_state, prefect_server, start_worker
 
 from d9d.flows.cli import main
 from d9d.flows.deployments.config import DeployConfigError, load_deploy_file
-from d9d.flows.deployments.server import plan_server, wait_until_healthy
+from d9d.flows.deployments.server import plan_server
 
 pytestmark = pytest.mark.isolated
 
@@ -32,77 +32,15 @@ ROOT = Path(__file__).resolve().parents[2]
 PRETRAIN_PROGRAM = "d9d.flows.jobs.pretrain.program"
 
 
-@dataclass(frozen=True)
-class Server:
-    api_url: str
-    env: dict[str, str]  # what a worker, runner or `d9d` subprocess on this machine gets
-    log: Path
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    home = tmp_path_factory.mktemp("d9d-server-home")
-    log = home / "server.log"
-    port = _free_port()
-    env = {name: value for name, value in os.environ.items() if not name.startswith("PREFECT_")}
-    env.update({"D9D_HOME": str(home), "OMP_NUM_THREADS": "1"})
-    with log.open("w") as output:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "d9d.flows.cli", "server", "start", "--port", str(port), "--no-ui"],
-            env=env,
-            stdout=output,
-            stderr=subprocess.STDOUT,
-        )
-    api_url = f"http://127.0.0.1:{port}/api"
-    saved = dict(os.environ)
-    try:
-        wait_until_healthy(api_url, timeout_seconds=180)
-        client_env = {**env, "PREFECT_API_URL": api_url}
-        os.environ.clear()
-        os.environ.update(client_env)
-        from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED, temporary_settings
-
-        # Prefect reads its settings once, at import; an earlier test may have imported it for the embedded API.
-        with temporary_settings(updates={PREFECT_API_URL: api_url, PREFECT_SERVER_EPHEMERAL_ENABLED: False}):
-            yield Server(api_url=api_url, env=client_env, log=log)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    with prefect_server(tmp_path_factory.mktemp("d9d-server-home")) as running:
+        yield running
 
 
 def _write(path: Path, data: dict) -> Path:
     path.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
     return path
-
-
-def _start_worker(server: Server, pool: str, cwd: Path) -> subprocess.Popen[bytes]:
-    """A process worker that takes the pool's due runs, waits for them to finish, and exits (`--run-once`)."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--run-once"],
-        env=server.env,
-        cwd=cwd,
-        stdout=(cwd / f"worker-{pool}.log").open("w"),
-        stderr=subprocess.STDOUT,
-    )
-
-
-def _flow_run_state(flow_run_id):
-    from prefect.client.orchestration import get_client
-
-    with get_client(sync_client=True) as client:
-        return client.read_flow_run(flow_run_id).state
 
 
 # Config and commands that fail before touching Prefect -----------------------------------------------------------
@@ -252,9 +190,9 @@ def test_deploy_creates_pool_limits_and_a_cron_deployment_that_a_process_worker_
 
     started = time.monotonic()
     flow_run = run_deployment("convert/nightly-convert", timeout=0)
-    worker = _start_worker(server, "local-test", tmp_path)
+    worker = start_worker(server, "local-test", tmp_path)
     assert worker.wait(timeout=300) == 0, (tmp_path / "worker-local-test.log").read_text()
-    state = _flow_run_state(flow_run.id)
+    state = flow_run_state(flow_run.id)
     assert state.is_completed(), f"{state}: {(tmp_path / 'worker-local-test.log').read_text()[-3000:]}"
     manifest = json.loads((workdir / "model" / "manifest.json").read_text())
     assert manifest["stage"] == "convert"
@@ -370,7 +308,7 @@ def test_cancelling_a_running_pretrain_deployment_run_leaves_no_rank_and_a_compl
     )
     assert main(["deploy", "--file", str(path)]) == 0
     flow_run = run_deployment("pretrain/long", timeout=0)
-    worker = _start_worker(server, "pretrain-test", tmp_path)
+    worker = start_worker(server, "pretrain-test", tmp_path)
     checkpoints = workdir / ".pretrain.partial" / "checkpoints"
     deadline = time.monotonic() + 240
     while latest_complete(checkpoints) is None:
@@ -382,7 +320,7 @@ def test_cancelling_a_running_pretrain_deployment_run_leaves_no_rank_and_a_compl
     with get_client(sync_client=True) as client:
         client.set_flow_run_state(flow_run.id, Cancelling())
     assert worker.wait(timeout=180) == 0
-    state = _flow_run_state(flow_run.id)
+    state = flow_run_state(flow_run.id)
     # The worker stops the flow-run process with SIGTERM; Prefect 3.9's engine then reports the run CRASHED
     # ("aborted by a termination signal") before the worker can mark it CANCELLED, so both are accepted; the
     # history must show that the stop came from the cancellation.

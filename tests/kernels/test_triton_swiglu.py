@@ -51,3 +51,50 @@ def test_torch_compile_traces_through_without_graph_breaks():
 def test_mismatched_shapes_name_both():
     with pytest.raises(ValueError, match=r"got \(4,\) torch.float32 and \(5,\)"):
         TritonSwiGlu()(randn(4, seed=0), randn(5, seed=1))
+
+
+def _row_counts() -> list[int]:
+    """Rows an expert-parallel rank's grouped experts see over 24 steps and layers: a different count every time,
+    the way the all-to-all and DeepEP dispatchers deliver them (between 40 and 120 rows here)."""
+    generator = torch.Generator().manual_seed(0)
+    return sorted(set(torch.randint(40, 121, (24,), generator=generator).tolist()))
+
+
+def _tuning_keys(kernel, monkeypatch, launch, rows_list):
+    """The autotuning key of every launch of `kernel` (Triton's `Autotuner`, which benchmarks every config for each
+    new key value), recorded on the real launches."""
+    keys = []
+    run = kernel.run
+
+    def recording_run(*args, **kwargs):
+        named = dict(zip(kernel.arg_names, args, strict=False)) | kwargs
+        keys.append(tuple(named[name] for name in kernel.keys))
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(kernel, "run", recording_run)
+    for rows in rows_list:
+        launch(rows)
+    return keys
+
+
+def test_tuning_keys_do_not_follow_the_row_count(monkeypatch):
+    """Regression: keyed on `n_elements`, each new row count of an expert-parallel step (every step and layer)
+    re-ran the whole autotuning benchmark on GPUs, forward and backward: the MoE anchor at ep=2 took 7.9 s a step
+    instead of about 0.15 s. Keys now take one value per power-of-two size class."""
+    from d9d.kernels.swiglu import triton_kernels
+
+    cols = 16
+    rows_list = _row_counts()
+    assert len(rows_list) > 10
+    classes = {1 << (rows * cols - 1).bit_length() for rows in rows_list}  # 640..1920 elements: 1024 and 2048
+
+    def forward(rows):
+        triton_kernels.forward(randn(rows, cols, seed=rows), randn(rows, cols, seed=rows + 1))
+
+    def backward(rows):
+        triton_kernels.backward(*(randn(rows, cols, seed=rows + i) for i in range(3)))
+
+    for kernel, launch in ((triton_kernels._forward_kernel, forward), (triton_kernels._backward_kernel, backward)):
+        keys = _tuning_keys(kernel, monkeypatch, launch, rows_list)
+        assert len(keys) == len(rows_list)
+        assert len(set(keys)) == len(classes) == 2, f"{len(set(keys))} tuning keys for {len(rows_list)} row counts"

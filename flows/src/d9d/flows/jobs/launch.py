@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import json
+import math
 import os
 import queue
 import re
@@ -56,6 +57,7 @@ _ROOT_CAUSE_FIELDS = re.compile(r"^\s*(rank|exitcode)\s*:\s*(.*)$")
 _FRAME = re.compile(r'^\s*File "(.+)", line (\d+) in (\S+)')
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _NODE_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)  # USR1: Slurm's `--signal=USR1@N`
+SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"  # torchrun: from its SIGTERM to its ranks to their SIGKILL
 
 
 class LaunchError(RuntimeError):
@@ -397,8 +399,13 @@ def _read(path: Path) -> str:
 
 def run_node(command: Sequence[str], *, grace_seconds: float) -> int:
     """Run `command` (a torchrun) to the end as one node of a cluster job: stop signals go to its ranks directly,
-    SIGKILL after `grace_seconds`. Returns torchrun's exit code, or 128 + the signal after a stop."""
-    process = subprocess.Popen(list(command), start_new_session=True)
+    SIGKILL after `grace_seconds`. Returns torchrun's exit code, or 128 + the signal after a stop.
+
+    A scheduler signals every process of the job step, torchrun included (Slurm's `scancel --signal`, proctrack), and
+    torchrun SIGKILLs its ranks `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` seconds (30 by default) after a SIGTERM: it gets the
+    grace period too, so the ranks' checkpoint is bounded by `grace_seconds` alone."""
+    env = {**os.environ, SHUTDOWN_TIMEOUT_ENV: str(math.ceil(grace_seconds))}
+    process = subprocess.Popen(list(command), start_new_session=True, env=env)
     stopper = _Stopper(process, grace_seconds)
     with stopper.signals_forwarded(_NODE_STOP_SIGNALS):
         try:

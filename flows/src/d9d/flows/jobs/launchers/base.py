@@ -136,18 +136,25 @@ class FileFollower:
 
 class StopSignals:
     """Records SIGINT/SIGTERM (Ctrl-C, `kill`, a Prefect worker cancelling the flow run) while a cluster job is
-    followed, so the follower can cancel the job and wait for it; then hands the signal to the handler that was
-    installed before, as the local launcher does. Outside the main thread signals never arrive here."""
+    followed, so the follower can stop the job and wait for it; then hands the signal to the handler that was
+    installed before, as the local launcher does. Outside the main thread signals never arrive here.
+
+    Prefect's own SIGTERM handler (installed while its engine runs a flow) stays in place: Prefect acknowledges its
+    runner's cancel intent only while that handler is installed, and only then reports the cancelled run Cancelled
+    rather than Crashed. It raises `TerminationSignal` into the follow loop, which hands it to `caught`, stops the job
+    the same way, and re-raises it (`finish`) once the job has ended."""
 
     def __init__(self, signals: Sequence[int] = STOP_SIGNALS) -> None:
         self._signals = signals
         self._previous: dict[int, Any] = {}
         self.signum: int | None = None
+        self.interrupt: BaseException | None = None  # raised by a handler left in place (Prefect's)
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
             for signum in self._signals:
-                self._previous[signum] = signal.signal(signum, self._on_signal)
+                if not _keeps_its_handler(signal.getsignal(signum)):
+                    self._previous[signum] = signal.signal(signum, self._on_signal)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -160,7 +167,28 @@ class StopSignals:
         if self.signum is None:
             self.signum = signum
 
-    def redeliver(self) -> None:
-        """Hand the recorded signal to the handler that was there before (Prefect's, the CLI's, or the default)."""
+    @property
+    def stopping(self) -> bool:
+        return self.signum is not None or self.interrupt is not None
+
+    def caught(self, error: BaseException) -> bool:
+        """Whether `error`, raised in the follow loop, asks for a graceful stop (recorded): the first interrupt
+        (KeyboardInterrupt, Prefect's TerminationSignal: not an `Exception`) does; a crash or a second interrupt does
+        not (the follower then cancels the job outright and lets it propagate)."""
+        if isinstance(error, Exception) or self.stopping:
+            return False
+        self.interrupt = error
+        return True
+
+    def finish(self) -> None:
+        """After the stopped job has ended: re-raise the interrupt, or hand the recorded signal to the handler that
+        was there before (Prefect's, the CLI's, or the default)."""
+        if self.interrupt is not None:
+            raise self.interrupt
         assert self.signum is not None
         redeliver_signal(self.signum, self._previous.get(self.signum))
+
+
+def _keeps_its_handler(handler: object) -> bool:
+    """Prefect's SIGTERM bridge (`prefect.utilities.engine`), recognised by its module: no Prefect import here."""
+    return callable(handler) and str(getattr(handler, "__module__", "")).startswith("prefect.")

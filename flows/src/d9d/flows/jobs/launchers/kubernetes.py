@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import secrets
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -209,9 +210,10 @@ class KubernetesLauncher:
             say(f"{self.name}: created Kubernetes Job {job.namespace}/{job.name}")
             sink = LineSink(log, on_progress, on_line)
             last = self._follow(batch, core, job, sink=sink, stop=stop, say=say)
-        if stop.signum is not None:
-            stop.redeliver()
-            raise LaunchCancelled(stop.signum, f"Kubernetes Job {job.name} ({self.name}) deleted; it has ended")
+        if stop.stopping:
+            stop.finish()  # re-raises Prefect's TerminationSignal, or hands the signal on (which may raise too)
+            signum = stop.signum if stop.signum is not None else signal.SIGTERM
+            raise LaunchCancelled(signum, f"Kubernetes Job {job.name} ({self.name}) deleted; it has ended")
         if last.state != "Complete":
             failed = {pod: phase for pod, (phase, _) in last.pods.items() if phase == "Failed"}
             tails = "; ".join(f"{pod}: {self._log_tail(core, job, pod)}" for pod in failed)
@@ -227,52 +229,61 @@ class KubernetesLauncher:
         shown: JobProgress | None = None
         deleted_at: float | None = None
         streaming: set[str] = set()
-        ended = False
         next_poll = 0.0
-        try:
-            while True:
-                self._drain(sink)
-                if stop.signum is not None and deleted_at is None:
-                    say(f"{self.name}: stopping; deleting Kubernetes Job {job.name}")
-                    self._delete(batch, core, job)
-                    deleted_at = time.monotonic()
-                now = time.monotonic()
-                if now >= next_poll:
-                    state = self._state(batch, core, job)
-                    if state is None:  # deleted: gone with its pods
-                        ended = True
-                        return shown or JobProgress(state="Deleted", pods={})
-                    if shown is None or (state.state, state.pods) != (shown.state, shown.pods):
-                        nodes = ", ".join(
-                            f"{pod} ({phase} on {node or '-'})" for pod, (phase, node) in state.pods.items()
+
+        def poll() -> JobProgress | None:
+            """One look at the Job (and a step of stopping it); its last progress once it has ended."""
+            nonlocal shown, deleted_at, next_poll
+            self._drain(sink)
+            if stop.stopping and deleted_at is None:
+                say(f"{self.name}: stopping; deleting Kubernetes Job {job.name}")
+                self._delete(batch, core, job)
+                deleted_at = time.monotonic()
+            now = time.monotonic()
+            if now >= next_poll:
+                state = self._state(batch, core, job)
+                if state is None:  # deleted: gone with its pods
+                    return shown or JobProgress(state="Deleted", pods={})
+                if shown is None or (state.state, state.pods) != (shown.state, shown.pods):
+                    nodes = ", ".join(f"{pod} ({phase} on {node or '-'})" for pod, (phase, node) in state.pods.items())
+                    say(f"{self.name}: Kubernetes Job {job.name} {state.state}: {nodes or 'no pod yet'}")
+                    report_cluster_job(
+                        ClusterJob(
+                            scheduler="kubernetes", job_id=f"{job.namespace}/{job.name}", name=job.name,
+                            state=state.state, nodes=nodes, log=f"kubectl logs -n {job.namespace} job/{job.name}",
                         )
-                        say(f"{self.name}: Kubernetes Job {job.name} {state.state}: {nodes or 'no pod yet'}")
-                        report_cluster_job(
-                            ClusterJob(
-                                scheduler="kubernetes", job_id=f"{job.namespace}/{job.name}", name=job.name,
-                                state=state.state, nodes=nodes, log=f"kubectl logs -n {job.namespace} job/{job.name}",
-                            )
-                        )  # fmt: skip
-                        shown = state
-                    first = f"{job.name}-0"
-                    for pod, (phase, _) in state.pods.items():
-                        if pod.startswith(first) and phase != "Pending" and pod not in streaming:
-                            streaming.add(pod)
-                            self._stream(core, job, pod)
-                    if state.state in ("Complete", "Failed") and deleted_at is None:
-                        ended = True
-                        time.sleep(0.5)  # the log stream's last lines
-                        self._drain(sink)
-                        return state
-                    next_poll = now + (1.0 if deleted_at is not None else self.config.poll_seconds)
-                if deleted_at is not None and now > deleted_at + self.config.stop_grace_seconds + 120:
-                    raise KubernetesJobError(f"Kubernetes Job {job.name} still exists long after it was deleted")
-                time.sleep(0.2)
+                    )  # fmt: skip
+                    shown = state
+                first = f"{job.name}-0"
+                for pod, (phase, _) in state.pods.items():
+                    if pod.startswith(first) and phase != "Pending" and pod not in streaming:
+                        streaming.add(pod)
+                        self._stream(core, job, pod)
+                if state.state in ("Complete", "Failed") and deleted_at is None:
+                    time.sleep(0.5)  # the log stream's last lines
+                    self._drain(sink)
+                    return state
+                next_poll = now + (1.0 if deleted_at is not None else self.config.poll_seconds)
+            if deleted_at is not None and now > deleted_at + self.config.stop_grace_seconds + 120:
+                raise KubernetesJobError(f"Kubernetes Job {job.name} still exists long after it was deleted")
+            return None
+
+        last: JobProgress | None = None
+        try:
+            while last is None:
+                try:
+                    last = poll()
+                    if last is None:
+                        time.sleep(0.2)
+                except BaseException as error:
+                    if not stop.caught(error):
+                        raise  # a crash, or a second interrupt: the Job is deleted below
+            return last
         finally:
-            if not ended and deleted_at is None:
+            if last is None and deleted_at is None:
                 with contextlib.suppress(Exception):
                     self._delete(batch, core, job)  # a crash of the flow run: leave no Job behind
-            elif ended:
+            elif last is not None:
                 with contextlib.suppress(Exception):
                     core.delete_namespaced_service(job.name, job.namespace)
 

@@ -10,10 +10,15 @@ stage is stopped.
   requeue, NODE_FAIL, OUT_OF_MEMORY, ...) raises a `LaunchError` that says what happened and what to do. A requeue
   (`--requeue`, after preemption or `scontrol requeue`) is not an end: the job starts again, its ranks resume from
   the stage's newest complete checkpoint, and the follower keeps following it.
-- Stop: SIGINT/SIGTERM (a Prefect worker cancelling the flow run, Ctrl-C) -> `scancel`, wait until Slurm reports
-  the job ended (its node launchers hand the SIGTERM to the ranks, which checkpoint), then `LaunchCancelled`. Any
-  other exception out of the follow loop (a crash of the flow run) also cancels the job. A `kill -9` of the process
-  that follows cannot: the job then runs to its end by itself (its `time_limit` bounds it).
+- Stop: SIGINT/SIGTERM (a Prefect worker cancelling the flow run, Ctrl-C) -> `scancel --signal=TERM JOB`, which
+  signals the job's steps and not its batch script (`--full`/`--batch` would also signal `srun`, which answers a
+  SIGTERM by SIGKILLing its tasks). Each node launcher gives its ranks the stage's `stop_grace_seconds` to
+  checkpoint (not Slurm's cluster-wide `KillWait`, which a plain `scancel` would impose) and exits with 128+15; the
+  script then `scancel`s its own job, which Slurm accounts CANCELLED. The follower waits for that end; a job still
+  running `stop_grace_seconds` + 30 s later gets a plain `scancel` (SIGKILL after KillWait). Then
+  `LaunchCancelled`. A job still pending is cancelled at once. Any other exception out of the follow loop (a crash
+  of the flow run) cancels the job outright. A `kill -9` of the process that follows cannot: the job then runs to
+  its end by itself (its `time_limit` bounds it); one killed after the stop signal still stops gracefully.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Sequence
@@ -48,6 +54,8 @@ END_STATES = frozenset(
      "DEADLINE", "REVOKED"}
 )  # fmt: skip
 _COMMAND_TIMEOUT = 60.0  # a Slurm client command; the controller answers within seconds unless it is down
+_STOP_MARGIN = 30.0  # after the node launchers' grace: until the batch script has cancelled its own job
+_CANCEL_WAIT = 180.0  # after a plain scancel: Slurm's KillWait (30-60 s usually) and the epilog
 SUBMIT_ENVIRONMENT = "submit-environment"  # a Slurm job's secrets come from there (the template needs names)
 
 
@@ -163,9 +171,10 @@ class SlurmLauncher:
             say(f"{self.name}: submitted slurm job {job_id} ({job.nodes} node(s) x {job.nproc_per_node} ranks)")
             sink = LineSink(log, on_progress, on_line)
             last = self._follow(job_id, job=job, script=script, output=output, sink=sink, stop=stop, say=say)
-        if stop.signum is not None:
-            stop.redeliver()
-            raise LaunchCancelled(stop.signum, f"slurm job {job_id} ({self.name}) cancelled; it has ended")
+        if stop.stopping:
+            stop.finish()  # re-raises Prefect's TerminationSignal, or hands the signal on (which may raise too)
+            signum = stop.signum if stop.signum is not None else signal.SIGTERM
+            raise LaunchCancelled(signum, f"slurm job {job_id} ({self.name}) cancelled; it has ended")
         if last.state != "COMPLETED":
             raise end_state_error(job_id, last, name=self.name, log=str(output))
 
@@ -183,44 +192,58 @@ class SlurmLauncher:
         follower = FileFollower(output)
         shown = SlurmJobState(state="SUBMITTED")
         state = shown
-        cancelled_at: float | None = None
+        stopped_at: float | None = None  # asked to stop (SIGTERM to the steps)
+        cancelled_at: float | None = None  # cancelled outright (scancel)
         next_poll = 0.0
+
+        def poll() -> bool:
+            """One look at the job (and a step of stopping it); True once it has ended."""
+            nonlocal shown, state, stopped_at, cancelled_at, next_poll
+            for line in follower.lines():
+                sink(line)
+            now = time.monotonic()
+            if stop.stopping and stopped_at is None:
+                say(f"{self.name}: stopping; slurm job {job_id} gets {self.config.stop_grace_seconds} s to stop")
+                self._stop(job_id)
+                stopped_at = now
+            if stopped_at is not None and cancelled_at is None and now > stopped_at + self._stop_wait:
+                say(f"{self.name}: slurm job {job_id} still {state.state} after its grace; scancel")
+                self._cancel(job_id)
+                cancelled_at = now
+            if now >= next_poll:
+                state = self._state(job_id)
+                if (state.state, state.nodes) != (shown.state, shown.nodes):
+                    where = f" on {state.nodes}" if state.nodes else ""
+                    say(f"{self.name}: slurm job {job_id} {state.state}{where}")
+                    report_cluster_job(
+                        ClusterJob(
+                            scheduler="slurm", job_id=job_id, name=job.name, state=state.state,
+                            nodes=state.nodes or shown.nodes, log=str(output), script=str(script),
+                        )
+                    )  # fmt: skip
+                    shown = replace(state, nodes=state.nodes or shown.nodes)
+                if state.state in END_STATES:
+                    return True
+                next_poll = now + (1.0 if stopped_at is not None else self.config.poll_seconds)
+            if cancelled_at is not None and now > cancelled_at + _CANCEL_WAIT:
+                raise SlurmError(f"slurm job {job_id} is still {state.state} long after scancel; check squeue")
+            return False
+
         ended = False
         try:
-            while True:
-                for line in follower.lines():
-                    sink(line)
-                if stop.signum is not None and cancelled_at is None:
-                    say(f"{self.name}: stopping; cancelling slurm job {job_id}")
-                    self._cancel(job_id)
-                    cancelled_at = time.monotonic()
-                now = time.monotonic()
-                if now >= next_poll:
-                    state = self._state(job_id)
-                    if (state.state, state.nodes) != (shown.state, shown.nodes):
-                        say(
-                            f"{self.name}: slurm job {job_id} {state.state}"
-                            + (f" on {state.nodes}" if state.nodes else "")
-                        )
-                        report_cluster_job(
-                            ClusterJob(
-                                scheduler="slurm", job_id=job_id, name=job.name, state=state.state,
-                                nodes=state.nodes or shown.nodes, log=str(output), script=str(script),
-                            )
-                        )  # fmt: skip
-                        shown = replace(state, nodes=state.nodes or shown.nodes)
-                    if state.state in END_STATES:
-                        ended = True
-                        break
-                    next_poll = now + (1.0 if cancelled_at is not None else self.config.poll_seconds)
-                if cancelled_at is not None and now > cancelled_at + self.config.stop_grace_seconds + 120:
-                    raise SlurmError(f"slurm job {job_id} is still {state.state} long after scancel; check squeue")
-                time.sleep(0.2)
+            while not ended:
+                try:
+                    ended = poll()
+                    if not ended:
+                        time.sleep(0.2)
+                except BaseException as error:
+                    if not stop.caught(error):
+                        raise  # a crash, or a second interrupt: the job is cancelled outright below
             for line in [*follower.lines(), *follower.rest()]:
                 sink(line)
         finally:
             if not ended and cancelled_at is None:
-                # An exception out of the loop (the flow run crashed, another handler raised): leave no job behind.
+                # An exception out of the loop (the flow run crashed, a second Ctrl-C): leave no job behind.
                 with contextlib.suppress(Exception):
                     self._cancel(job_id)
         return replace(state, nodes=state.nodes or shown.nodes)
@@ -231,6 +254,20 @@ class SlurmLauncher:
         if not job_id.isdigit():
             raise SlurmError(f"sbatch printed {out!r}, not a job id")
         return job_id
+
+    @property
+    def _stop_wait(self) -> float:
+        """From the SIGTERM to the steps to a plain scancel: the node launchers' grace, then the script's own
+        scancel (seconds: srun returns, the batch script runs scancel)."""
+        return self.config.stop_grace_seconds + _STOP_MARGIN
+
+    def _stop(self, job_id: str) -> None:
+        """SIGTERM to the running job's steps (the node launchers take it from there); a job that is not running
+        (pending, requeued) has no rank to checkpoint and is cancelled outright."""
+        running = self._state(job_id).state == "RUNNING"
+        if running and _slurm_result("scancel", "--signal=TERM", job_id).returncode == 0:
+            return
+        self._cancel(job_id)
 
     def _cancel(self, job_id: str) -> None:
         _slurm("scancel", job_id)
