@@ -57,10 +57,11 @@ def test_nccl_pipeline_matches_single_process(schedule):
         assert loss < 1e-5 and norm < 1e-4 and params < 1e-4
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipe_v"])
 def test_nccl_pipeline_with_tensor_parallelism_matches_single_process(schedule):
-    """pp=2 x tp=2 on 4 GPUs: the stages hand over their sequence shards over NCCL (docs/design/0016); MoE with the
-    z-loss only (a tp rank's load-balancing loss is its shard's). Same tolerances as above."""
+    """pp=2 x tp=2 on 4 GPUs: the stages hand over their sequence shards over NCCL (docs/design/0016), the
+    split-backward schedules with the tp collectives in the input pass (amendment 4); MoE with the z-loss only (a tp
+    rank's load-balancing loss is its shard's). Same tolerances as above."""
     if _gpu_world() < 4:
         pytest.skip(f"pp=2 x tp=2 needs 4 GPUs; {_gpu_world()} visible")
 
