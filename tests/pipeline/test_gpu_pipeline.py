@@ -88,3 +88,38 @@ def test_nccl_pipeline_with_tensor_parallelism_matches_single_process(schedule):
     for family, loss, norm, params in run_on_ranks(4, body, init_process_group=False, timeout_seconds=600)[0]:
         print(f"{schedule} pp=2 x tp=2 {family}: loss {loss:.1e} norm {norm:.1e} params {params:.1e}")
         assert loss < 1e-5 and norm < 1e-4 and params < 1e-4
+
+
+@pytest.mark.parametrize(("schedule", "attention"), [("1f1b", "ring"), ("zbv", "all_gather")])
+def test_nccl_pipeline_with_context_parallelism_matches_single_process(schedule, attention):
+    """pp=2 x cp=2 on 4 GPUs: each stage's attention over its cp group and the stages' cp shards over NCCL (design
+    0016, amendment 4), the workload of test_pipeline_context_parallel.py. Same tolerances as above."""
+    if _gpu_world() < 4:
+        pytest.skip(f"pp=2 x cp=2 needs 4 GPUs; {_gpu_world()} visible")
+    from test_pipeline_context_parallel import pipelined_cp_run
+    from test_pipeline_context_parallel import shared_reference as cp_reference
+
+    from d9d.core.dist import DistributedContext, MeshDegrees
+
+    def body() -> list[tuple[str, float, float, float]]:
+        os.environ["D9D_DEVICE"] = "cuda"
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        ctx = DistributedContext.build(MeshDegrees(pp=2, cp=2), device="cuda")
+        results = []
+        for family in ("dense", "moe_z_loss"):
+            record = pipelined_cp_run(ctx, family, PipelineConfig(schedule=SCHEDULES[schedule]), attention)
+            reference = cp_reference(family, device=ctx.device)
+            results.append(
+                (
+                    family,
+                    max_relative(record.losses, [step.losses[0] for step in reference]),
+                    max_relative(record.grad_norms, [step.grad_norms[0] for step in reference]),
+                    all_ranks_max(max_param_error(record.params, reference[-1].params), ctx.device),
+                )
+            )
+        return results
+
+    for family, loss, norm, params in run_on_ranks(4, body, init_process_group=False, timeout_seconds=600)[0]:
+        print(f"{schedule} {attention} pp=2 x cp=2 {family}: loss {loss:.1e} norm {norm:.1e} params {params:.1e}")
+        assert loss < 1e-5 and norm < 1e-4 and params < 1e-4

@@ -62,7 +62,7 @@ from d9d.models import materialize_
 from d9d.models.blocks.moe import aux_loss_weights
 from d9d.models.qwen3 import parallelize_qwen3_dense, parallelize_qwen3_moe
 from d9d.parallel import FsdpConfig, ModuleGradientSync, clip_grad_norm_
-from d9d.parallel.context import ContextParallelConfig, ContextParallelDataSource
+from d9d.parallel.context import ContextParallelConfig, ContextParallelDataSource, shard_sequence
 from d9d.pipeline import PipelineAuxLosses, PipelineConfig, PipelineStage, build_pipeline_schedule, pipeline_group
 
 pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module.*returned a view tensor:UserWarning")
@@ -144,9 +144,10 @@ def reference_run(family: str) -> list[RunRecord]:
     return records
 
 
-def shared_reference(family: str) -> list[RunRecord]:
+def shared_reference(family: str, device: torch.device | None = None) -> list[RunRecord]:
+    """`reference_run` on rank 0 (CPU), handed to every rank (`device`: the group's, for NCCL)."""
     box: list[object] = [reference_run(family) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, device=device)
     records = box[0]
     assert isinstance(records, list)
     return records
@@ -228,3 +229,30 @@ def _check(ctx: DistributedContext, schedule: str, attention: str, families: tup
 def test_pp2_cp2_matches_single_process(schedule, attention):
     ctx = DistributedContext.build(MeshDegrees(pp=2, cp=2), device="cpu")
     _check(ctx, schedule, attention, ("dense", "moe_z_loss"))
+
+
+@pytest.mark.distributed(world_size=4, timeout=300)
+def test_a_cp_stage_hands_over_its_sequence_shard_and_needs_positions():
+    """What the next stage receives under cp: this cp rank's `(1, seq / cp, hidden)` shard of the first stage's
+    output, in the load-balanced layout (chunks `r` and `2cp-1-r` of the whole row's output; fp32, attention summed
+    in another order: 1e-5), which is `activation_spec`'s shape for the sharded batch; a stage that gets no
+    positions refuses the batch (they must be the whole row's)."""
+    ctx = DistributedContext.build(MeshDegrees(pp=2, cp=2), device="cpu")
+    cp_rank = ctx.coordinate(MeshDomain.BATCH)["cp"]
+    stage = PipelineStage(0, 2)
+    module = build_meta("dense", stage)
+    parallelize_qwen3_dense(module, ctx, FsdpConfig(), context=ContextParallelConfig(attention="ring"))
+    materialize_(module, ctx.device)
+    load_initial(module, "dense")
+    whole = PackedRows(dp_rank=0, dp_size=1).next_step()[0]
+    micro = ContextParallelDataSource(PackedRows(dp_rank=0, dp_size=1), cp_rank=cp_rank, cp=2).next_step()[0]
+    task = PackedCausalLMTask(hidden_size=HIDDEN)
+    out = task.forward_stage(module, micro, stage=stage, hidden=None)
+    assert isinstance(out, torch.Tensor)
+    assert out.shape == task.activation_spec(micro, stage=stage).shape == (1, SEQ // 2, HIDDEN)
+    plain = materialize_(build_meta("dense", stage), "cpu")
+    load_initial(plain, "dense")
+    expected = plain(whole["input_ids"], document_ids=whole["document_ids"]).hidden_states
+    torch.testing.assert_close(out, shard_sequence(expected, cp_rank, 2, dim=1), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="must carry position_ids computed on the full sequence"):
+        module(micro["input_ids"], document_ids=micro["document_ids"])
