@@ -132,7 +132,9 @@ def test_ctrl_c_while_the_command_is_still_importing_exits_130_without_a_traceba
         [sys.executable, "-m", "d9d.flows", *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         start_new_session=True,
     )  # fmt: skip
-    time.sleep(0.5)  # `import torch` alone takes longer than this
+    # Ctrl-C once torch's library is mapped: the entry point imports nothing heavy before its handler, so the command
+    # is then inside its imports (a fixed sleep raced the interpreter's own start-up on a loaded machine).
+    _wait_until_mapped(process.pid, "libtorch", timeout_seconds=60)
     os.killpg(process.pid, signal.SIGINT)
     output, _ = process.communicate(timeout=60)
     text = output.decode(errors="replace")
@@ -140,3 +142,17 @@ def test_ctrl_c_while_the_command_is_still_importing_exits_130_without_a_traceba
     assert "Traceback" not in text, text
     assert "d9d: interrupted (SIGINT)" in text, text
     assert not (tmp_path / "run").exists()
+
+
+def _wait_until_mapped(pid: int, library: str, *, timeout_seconds: float) -> None:
+    """Poll /proc/PID/maps until a mapped file's path contains `library`."""
+    deadline = time.monotonic() + timeout_seconds
+    maps = Path(f"/proc/{pid}/maps")
+    while time.monotonic() < deadline:
+        try:
+            if library in maps.read_text():
+                return
+        except (FileNotFoundError, ProcessLookupError):
+            break
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} never mapped {library} within {timeout_seconds} s")
