@@ -48,6 +48,12 @@ def test_tp_with_replicated_data_parallelism(capsys, tmp_path):
     assert "use kind=fsdp or kind=hsdp" in err
 
 
+def test_single_rank_data_parallelism_on_several_ranks(capsys, tmp_path):
+    err = _error(capsys, tmp_path, "pretrain", "pretrain.data_parallel.kind=single")
+    assert "pretrain.data_parallel.kind=single trains one rank without FSDP, but pretrain.degrees.dp_shard=2" in err
+    assert "use kind=fsdp" in err and "pretrain.nproc_per_node=1" in err
+
+
 def test_cp_that_does_not_split_the_sequence_into_2cp_chunks(capsys, tmp_path):
     err = _error(capsys, tmp_path, "pretrain", "pretrain.degrees.cp=2", "pretrain.seq_len=62")
     assert "pretrain.degrees.cp=2 does not fit seq_len=62" in err

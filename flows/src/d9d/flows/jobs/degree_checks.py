@@ -13,7 +13,7 @@ from d9d.flows.jobs.stage_spec import PreflightError
 from d9d.flows.jobs.topology import RankTopology
 from d9d.models.catalogue import AnyModelConfig, Qwen3MoeModelConfig
 from d9d.models.qwen3.tensor_parallel import check_qwen3_tp_degrees
-from d9d.parallel import ReplicateConfig
+from d9d.parallel import ReplicateConfig, SingleDeviceConfig
 from d9d.parallel.context import check_context_parallel
 from d9d.pipeline import plan_pipeline
 
@@ -40,6 +40,7 @@ def check_topology(
     degrees = _resolve(section, topology)
     _check_pairs(section, degrees)
     _check_replicate(section, topology, degrees)
+    _check_single(section, topology, degrees)
     if degrees.tp > 1:
         _check_tensor(section, model, degrees, seq_len)
     if degrees.cp > 1:
@@ -91,6 +92,20 @@ def _check_replicate(section: str, topology: RankTopology, degrees: MeshDegrees)
                 f"{section}.data_parallel.kind=replicate with {section}.degrees.{name}={value} is not supported "
                 f"({reason}); use kind=fsdp or kind=hsdp"
             )
+
+
+def _check_single(section: str, topology: RankTopology, degrees: MeshDegrees) -> None:
+    """`kind=single` trains one rank's whole model (no FSDP): refused before any rank starts, as its builder would."""
+    if not isinstance(topology.data_parallel, SingleDeviceConfig):
+        return
+    shared = {"dp_replicate": degrees.dp_replicate, "dp_shard": degrees.dp_shard, "cp": degrees.cp}
+    shared |= {"tp": degrees.tp, "ep": degrees.ep}
+    if over := {name: value for name, value in shared.items() if value > 1}:
+        found = ", ".join(f"{section}.degrees.{name}={value}" for name, value in over.items())
+        raise PreflightError(
+            f"{section}.data_parallel.kind=single trains one rank without FSDP, but {found}; use kind=fsdp "
+            f"(or kind=hsdp / replicate), or run on one rank ({section}.nproc_per_node=1)"
+        )
 
 
 def _check_tensor(section: str, model: AnyModelConfig, degrees: MeshDegrees, seq_len: int) -> None:
