@@ -37,6 +37,7 @@ import argparse
 import gc
 import statistics
 import time
+from pathlib import Path
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -50,6 +51,7 @@ from anchor_models import tiny as _tiny
 from d9d.core.dist import DistributedContext, MeshDegrees
 from d9d.core.dist.domains import MeshDomain
 from d9d.core.loop import (
+    ProfilingConfig,
     BuiltModel,
     EventBus,
     LossResult,
@@ -212,9 +214,11 @@ def run_row(
     tiny: bool,
     lr: float = 1e-4,
     data_pool: int | None = None,
+    profile_dir: Path | None = None,
 ) -> Measured:
     """Build the model, optimizer and Trainer of `row`, train `warmup + steps` steps, measure the last `steps`
-    (`data_pool`: cycle over that many global batches instead of fresh uniform tokens)."""
+    (`data_pool`: cycle over that many global batches instead of fresh uniform tokens; `profile_dir`: a Chrome trace
+    of two steps after the warm-up, `bench/trace_summary.py` reads it)."""
     check_row(row, ctx.world_size)
     device_type = ctx.device.type
     decoder_config = decoder_config_for(row, device_type=device_type)
@@ -272,6 +276,9 @@ def run_row(
         max_grad_norm=1.0,
         gc_every=50,
         peak_flops_per_device=PEAK_TFLOPS * 1e12,
+        profiling=ProfilingConfig(directory=profile_dir, wait=max(0, warmup - 1), warmup=1, active=2)
+        if profile_dir is not None
+        else None,
     )
     events, records = EventBus(), []
     events.subscribe(StepFinished, lambda event: records.append(event.metrics))
@@ -339,6 +346,7 @@ def main() -> None:
     parser.add_argument("--state-dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--checkpoint", choices=["none", "full", "selective"], default="none")
     parser.add_argument("--ablation", choices=["dense", "moe"], help="run the ablation rows of this model")
+    parser.add_argument("--profile", type=Path, default=None, help="write a Chrome trace of 2 steps per row here")
     parser.add_argument("--rows", default=None, help="ablation rows to run, comma-separated indices (default: all)")
     args = parser.parse_args()
     if args.device == "cuda":
@@ -363,7 +371,10 @@ def main() -> None:
     for row in rows:
         started = time.perf_counter()
         try:
-            result = run_row(ctx, row, model_name=args.model, warmup=warmup, steps=steps, tiny=args.tiny)
+            profile_dir = args.profile / f"row-{ABLATION.index(row) if args.ablation else 0}" if args.profile else None
+            result = run_row(
+                ctx, row, model_name=args.model, warmup=warmup, steps=steps, tiny=args.tiny, profile_dir=profile_dir
+            )
         except Exception as error:
             failed = True
             if ctx.is_main_process:
