@@ -29,6 +29,9 @@ Switches (each an ablation lever):
 - `--grad-dtype float32|bfloat16`, `--state-dtype float32|bfloat16`: gradient reduction/accumulation dtype and the
   stochastic AdamW's moment dtype (memory levers).
 - `--checkpoint none|full|selective`: activation checkpointing policy.
+- `--loss-path in_forward|recompute`: where the Triton fused loss (`--kernels triton|loss`) forms its gradients: in
+  forward, for the loss sum (`DecoderConfig.loss_gradients_in_forward`, design note 0023; the default), or in
+  backward from recomputed logits (the previous path). `--loss-chunk N`: tokens per chunk of the loss (default 2048).
 """
 
 from __future__ import annotations
@@ -93,12 +96,22 @@ class Row:
     grad_dtype: DType = "float32"
     state_dtype: DType = "float32"
     checkpoint: Literal["none", "full", "selective"] = "none"
+    loss_path: Literal["in_forward", "recompute"] = "in_forward"
+    loss_chunk: int = 2048
+
+    @property
+    def loss_gradients_in_forward(self) -> bool:
+        """The Triton loss rows compute the loss gradients in forward unless `loss_path='recompute'`."""
+        return self.kernels in ("triton", "loss") and self.loss_path == "in_forward"
 
     def describe(self) -> str:
         parts = [f"kernels={self.kernels}", f"compile={self.compile}", f"attention={self.attention}"]
         parts += [f"weights={self.weights}", f"dp={self.data_parallel}", f"grads={self.grad_dtype}"]
         if self.weights == "bf16":
             parts.append(f"adam state={self.state_dtype}")
+        if self.kernels in ("triton", "loss"):
+            parts.append(f"loss={self.loss_path}")
+        parts.append(f"loss chunk={self.loss_chunk}")
         return ", ".join([*parts, f"checkpoint={self.checkpoint}"])
 
 
@@ -120,6 +133,8 @@ ABLATION = [
     ALL,
     replace(ALL, name="all, eager kernels but the Triton loss (Inductor fuses the rest)", kernels="loss"),
     replace(ALL, name="all + bf16 grads and Adam moments", grad_dtype="bfloat16", state_dtype="bfloat16"),
+    replace(ALL, name="all, loss gradients recomputed in backward (the previous fused loss)", loss_path="recompute"),
+    replace(ALL, name="all + loss chunk 4096", loss_chunk=4096),
 ]
 
 
@@ -151,7 +166,7 @@ class CausalLMTask:
     def compute_loss(self, model: nn.Module, batch: TokenBatch) -> LossResult:
         device = next(model.parameters()).device
         ids, labels = batch.input_ids.to(device, non_blocking=True), batch.labels.to(device, non_blocking=True)
-        return LossResult(loss_sum=model(ids, labels=labels).losses.sum())
+        return LossResult(loss_sum=model(ids, labels=labels).loss_sum)
 
 
 def decoder_config_for(row: Row, *, device_type: str) -> DecoderConfig:
@@ -168,7 +183,8 @@ def decoder_config_for(row: Row, *, device_type: str) -> DecoderConfig:
     from d9d.kernels.swiglu import EagerSwiGluConfig, TritonSwiGluConfig
 
     options: dict[str, object] = {
-        "loss_chunk_size": 2048,
+        "loss_chunk_size": row.loss_chunk,
+        "loss_gradients_in_forward": row.loss_gradients_in_forward,
         "compile_layers": row.compile == "layers",
         "compile_backend": "inductor" if device_type == "cuda" else "aot_eager",
         "activation_checkpointing": row.checkpoint != "none",
@@ -327,6 +343,8 @@ def row_from_args(args: argparse.Namespace) -> Row:
         grad_dtype=args.grad_dtype,
         state_dtype=args.state_dtype,
         checkpoint=args.checkpoint,
+        loss_path=args.loss_path,
+        loss_chunk=args.loss_chunk,
     )
 
 
@@ -345,6 +363,8 @@ def main() -> None:
     parser.add_argument("--grad-dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--state-dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--checkpoint", choices=["none", "full", "selective"], default="none")
+    parser.add_argument("--loss-path", choices=["in_forward", "recompute"], default="in_forward")
+    parser.add_argument("--loss-chunk", type=int, default=2048, help="tokens per chunk of the fused loss")
     parser.add_argument("--ablation", choices=["dense", "moe"], help="run the ablation rows of this model")
     parser.add_argument("--profile", type=Path, default=None, help="write a Chrome trace of 2 steps per row here")
     parser.add_argument("--rows", default=None, help="ablation rows to run, comma-separated indices (default: all)")

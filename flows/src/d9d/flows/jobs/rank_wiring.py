@@ -82,7 +82,7 @@ class PackedCausalLMTask:
             document_ids=batch["document_ids"].to(device),
             labels=batch["labels"].to(device),
         )
-        return LossResult(loss_sum=output.losses.sum())
+        return LossResult(loss_sum=output.loss_sum)
 
     def forward_stage(
         self, module: nn.Module, batch: PackedBatch, *, stage: PipelineStage, hidden: torch.Tensor | None
@@ -96,7 +96,7 @@ class PackedCausalLMTask:
             labels=batch["labels"].to(device) if stage.is_last else None,
         )
         if stage.is_last:
-            return LossResult(loss_sum=output.losses.sum())
+            return LossResult(loss_sum=output.loss_sum)
         hidden_states: torch.Tensor = output.hidden_states
         return hidden_states
 
