@@ -194,9 +194,8 @@ def _with_gradients_op(
     result = logit_stats_and_gradients(
         hidden, weight, targets, chunk_size=chunk_size, math=_MATH, want_input=want_input, want_weight=want_weight
     )
-    empty = hidden.new_empty(0)
-    grad_hidden = empty if result.grad_hidden is None else result.grad_hidden
-    grad_weight = empty.float() if result.grad_weight is None else result.grad_weight
+    grad_hidden = hidden.new_empty(0) if result.grad_hidden is None else result.grad_hidden
+    grad_weight = hidden.new_empty(0, dtype=torch.float32) if result.grad_weight is None else result.grad_weight
     return losses_from_stats(result.stats, targets), grad_hidden, grad_weight
 
 
