@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=None)
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend of the compile rows")
     parser.add_argument(
-        "--loss-chunks", default=str(DEFAULT_LOSS_CHUNK), help="comma-separated token chunk sizes of the fused-loss rows"
+        "--loss-chunks", default=str(DEFAULT_LOSS_CHUNK), help="comma-separated token chunks of the fused-loss rows"
     )
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -2,12 +2,12 @@
 head (`LogitStats`, `combine_logit_stats`, `logit_stats` / `logit_gradients`). `kernel.summed(...)` is the loss
 reduced by a sum with its gradients computed in forward (`SummedLoss`; design note 0023)."""
 
+from d9d.kernels.linear_cross_entropy.accumulate import addmm_float32_
 from d9d.kernels.linear_cross_entropy.api import (
     EagerLinearCrossEntropy,
     LinearCrossEntropyKernel,
     TritonLinearCrossEntropy,
 )
-from d9d.kernels.linear_cross_entropy.accumulate import addmm_float32_
 from d9d.kernels.linear_cross_entropy.chunks import (
     IGNORE_INDEX,
     LogitStats,

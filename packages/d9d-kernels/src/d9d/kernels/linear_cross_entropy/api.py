@@ -64,7 +64,7 @@ class _EagerLinearCrossEntropy(torch.autograd.Function):
 
 
 def _eager_losses_and_gradients(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int, want_input: bool,
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int, *, want_input: bool,
     want_weight: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
     result = logit_stats_and_gradients(

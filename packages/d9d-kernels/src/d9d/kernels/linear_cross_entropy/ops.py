@@ -211,7 +211,7 @@ def _(
 
 
 def _triton_losses_and_gradients(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int, want_input: bool,
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int, *, want_input: bool,
     want_weight: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
     losses, grad_hidden, grad_weight = _with_gradients_op(hidden, weight, labels, chunk_size, want_input, want_weight)

@@ -14,21 +14,23 @@ produced it. Under a pipeline's split backward each pass returns only its half (
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from d9d.kernels.linear_cross_entropy.chunks import flatten_tokens
 from d9d.kernels.split_backward import wanted_backward_halves
 
-LossesAndGradients = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, int, bool, bool],
-    tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],
-]
-"""`(hidden, weight, labels, chunk_size, want_input, want_weight) -> (losses, grad_hidden, grad_weight)`: per-token
-losses and the gradients of their sum (`None` when not wanted), on flat `(N, H)` / `(N,)` inputs."""
+
+class LossesAndGradients(Protocol):
+    def __call__(
+        self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int, *, want_input: bool,
+        want_weight: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+        """Per-token losses and the gradients of their sum (`None` when not wanted), on flat `(N, H)` / `(N,)`
+        inputs."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,9 @@ def summed_function(compute: LossesAndGradients) -> type[torch.autograd.Function
             want_input: bool,
             want_weight: bool,
         ) -> tuple[torch.Tensor, torch.Tensor]:
-            losses, grad_hidden, grad_weight = compute(hidden, weight, labels, chunk_size, want_input, want_weight)
+            losses, grad_hidden, grad_weight = compute(
+                hidden, weight, labels, chunk_size, want_input=want_input, want_weight=want_weight
+            )
             ctx.save_for_backward(grad_hidden, grad_weight)
             ctx.dtypes = hidden.dtype, weight.dtype
             ctx.mark_non_differentiable(losses)
