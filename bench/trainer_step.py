@@ -120,6 +120,7 @@ ABLATION = [
     ALL,
     replace(ALL, name="all, eager kernels but the Triton loss (Inductor fuses the rest)", kernels="loss"),
     replace(ALL, name="all + bf16 grads and Adam moments", grad_dtype="bfloat16", state_dtype="bfloat16"),
+    replace(ALL, name="row 7 + bf16 gradients (float32 Adam moments)", kernels="loss", grad_dtype="bfloat16"),
 ]
 
 
