@@ -15,6 +15,7 @@
 #   kernels  : the kernel table and the single-GPU Trainer ablation
 #   generationtp: decoding under tp=2 (eager, compiled) next to one GPU, then the NCCL tp generation tests
 #   ablation : bench/trainer_step.py --ablation dense, then moe (each lever alone, then all combined)
+#   profile  : ablation rows (PROFILE_ROWS) with a Chrome trace each and its summary (where the step's time goes)
 #   losscurve: bench/loss_curve.py, 200 steps of the baseline vs the combined configuration
 #   deepep   : build DeepEP in the background (its own session, so it outlives the call), then test it
 set -u
@@ -118,6 +119,13 @@ for part in "$@"; do case $part in
     for model in ${ABLATION_MODELS:-dense moe}; do
       run 0 ${ABLATION_SECONDS:-290} ablation.log bench/trainer_step.py --ablation $model \
         ${ABLATION_ROWS:+--rows $ABLATION_ROWS}; done ;;
+  profile)  # ablation rows with a 2-step Chrome trace each, summarised by bench/trace_summary.py (PROFILE_ROWS=0,7)
+    for model in ${ABLATION_MODELS:-dense}; do
+      run 0 ${ABLATION_SECONDS:-400} ablation.log bench/trainer_step.py --ablation $model --rows ${PROFILE_ROWS:-0,7} \
+        --profile /tmp/prof-$model
+      for trace in /tmp/prof-$model/row-*/rank-00000/*.json; do row=$(basename "$(dirname "$(dirname "$trace")")")
+        python3 bench/trace_summary.py "$trace" --top 20 > "$out/summary-$model-$row.txt"
+        echo "== $model $row"; sed -n '1,4p;/by family/,/^$/p' "$out/summary-$model-$row.txt"; done; done ;;
   losscurve)  # 200 steps of the baseline and the "all" row (LOSS_ROW=index), max relative loss-curve deviation
     for model in ${LOSS_MODELS:-dense}; do
       run 0 ${LOSS_SECONDS:-290} losscurve.log bench/loss_curve.py --model $model --fast ${LOSS_ROW:-6}; done ;;
