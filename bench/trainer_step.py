@@ -37,8 +37,8 @@ import argparse
 import gc
 import statistics
 import time
-from pathlib import Path
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -51,11 +51,11 @@ from anchor_models import tiny as _tiny
 from d9d.core.dist import DistributedContext, MeshDegrees
 from d9d.core.dist.domains import MeshDomain
 from d9d.core.loop import (
-    ProfilingConfig,
     BuiltModel,
     EventBus,
     LossResult,
     ModelLoader,
+    ProfilingConfig,
     StepFinished,
     SyntheticTokenSource,
     TokenBatch,
