@@ -7,6 +7,7 @@
 #   nccltests: the NCCL tests of context attention and expert dispatch, failures in full
 #   faults   : bench/faults.py's stage kinds on the CPUs, FAULT_PROCS campaigns in the background (call `wait` last)
 #   scaling  : dense FSDP compiled on 1, 2, 4 GPUs;  ep2: MoE on 1 GPU, then FSDP-only and ep=2 on 2 GPUs
+#   ep4      : MoE on 1 GPU, then FSDP-only, ep=4 and DeepEP on 4 GPUs (issue 15's goal rows)
 #   kerneltests: GPU tests in the pytest process (kernels at real sizes, models); run after forking parts
 #   compile  : tp2 x dp_shard2 with compiled layers, async TP off and on
 #   pipeline : pipeline schedules at pp=4, then the GPU parity tests of every parallel style over NCCL
@@ -77,6 +78,11 @@ for part in "$@"; do case $part in
     run 0 120 ep.log $E --modes fsdp --steps 8 --warmup 3 --profile-steps 2 --budget-seconds 105 --trace-dir "$out/traces"
     run 0,1 ${EP_SECONDS:-240} ep.log $E --modes fsdp ep deep_ep --steps 8 --warmup 3 --profile-steps 2 \
       --budget-seconds $(( ${EP_SECONDS:-240} - 15 )) --trace-dir "$out/traces" ;;
+  ep4)  # issue 15's goal rows: the MoE anchor's 1-GPU figure, then FSDP-only, ep=4 and DeepEP on 4 GPUs
+    E=bench/expert_parallel.py
+    run 0 100 ep.log $E --modes fsdp --steps 8 --warmup 3 --profile-steps 2 --budget-seconds 85 --trace-dir "$out/traces"
+    run 0,1,2,3 ${EP_SECONDS:-200} ep.log $E --modes fsdp ep deep_ep --steps 8 --warmup 3 --profile-steps 2 \
+      --budget-seconds $(( ${EP_SECONDS:-200} - 15 )) --trace-dir "$out/traces" ;;
   kerneltests)  # GPU tests that use CUDA in the pytest process (after every forking test)
     timeout 170 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -m gpu tests/kernels tests/models 2>&1 \
       | tee "$out/kernel-tests.log" | tail -25 | cut -c1-300 ;;
