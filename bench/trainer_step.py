@@ -133,8 +133,14 @@ ABLATION = [
     ALL,
     replace(ALL, name="all, eager kernels but the Triton loss (Inductor fuses the rest)", kernels="loss"),
     replace(ALL, name="all + bf16 grads and Adam moments", grad_dtype="bfloat16", state_dtype="bfloat16"),
-    replace(ALL, name="all, loss gradients recomputed in backward (the previous fused loss)", loss_path="recompute"),
-    replace(ALL, name="all + loss chunk 4096", loss_chunk=4096),
+    replace(ALL, name="row 7 + bf16 gradients (float32 Adam moments)", kernels="loss", grad_dtype="bfloat16"),
+    replace(
+        ALL,
+        name="row 7, loss gradients recomputed in backward (the previous fused loss)",
+        kernels="loss",
+        loss_path="recompute",
+    ),
+    replace(ALL, name="row 7 + loss chunk 4096", kernels="loss", loss_chunk=4096),
 ]
 
 
