@@ -94,14 +94,6 @@ def test_whole_model_compilation_under_pipeline_parallelism(capsys, tmp_path):
     assert "compile_layers=true instead" in err
 
 
-def test_loss_gradients_in_forward_under_tensor_parallelism(capsys, tmp_path):
-    err = _error(
-        capsys, tmp_path, "pretrain", "pretrain.degrees.tp=2", "pretrain.model.decoder.loss_gradients_in_forward=true"
-    )
-    assert "pretrain.model.decoder.loss_gradients_in_forward=true with pretrain.degrees.tp=2" in err
-    assert "set pretrain.model.decoder.loss_gradients_in_forward=false" in err
-
-
 def test_pp_with_too_few_microbatches_for_the_schedule(capsys, tmp_path):
     err = _error(
         capsys, tmp_path, "pretrain", "pretrain.degrees.pp=2", "pretrain.global_batch_rows=4",

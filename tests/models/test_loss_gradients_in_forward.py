@@ -7,15 +7,13 @@ different order, so 1e-5. The HF parity and Triton-block parity tests also run w
 import pytest
 import torch
 from tiny import EAGER, VOCAB, d9d_from_hf, hf_dense, hf_moe
+from torch.distributed.tensor import DTensor
 
 from d9d.core.dist import DistributedContext, MeshDegrees
-from d9d.core.dist.domains import MeshDomain
 from d9d.models import materialize_
-from d9d.models.blocks import SplitLanguageModellingHead
 from d9d.models.blocks.compilation import compile_model
 from d9d.models.qwen3 import Qwen3DenseForCausalLM, parallelize_qwen3_dense, qwen3_dense_parameters_from_hf
 from d9d.parallel import FsdpConfig
-from d9d.parallel.tensor import parallelize_vocab_head
 
 FP32 = {"atol": 1e-5, "rtol": 1e-5}
 IN_FORWARD = EAGER.model_copy(update={"loss_gradients_in_forward": True})
@@ -81,17 +79,27 @@ def test_whole_model_compile_with_gradients_in_forward_matches_eager():
     _assert_same_grads(_grads(compiled), _grads(eager))
 
 
-@pytest.mark.distributed(world_size=2, timeout=180)
+@pytest.mark.distributed(world_size=2, timeout=240)
 @pytest.mark.filterwarnings("ignore:FSDP2-wrapped module.*returned a view tensor:UserWarning")
-def test_tensor_parallel_head_refuses_gradients_in_forward_naming_the_switch():
+@pytest.mark.filterwarnings("ignore:Slicing a flattened dim:UserWarning")
+def test_tensor_parallel_head_with_gradients_in_forward_matches_one_process():
+    """tp=2 with sequence parallelism: the vocabulary-parallel loss forms its gradients in forward too."""
     ctx = DistributedContext.build(MeshDegrees(tp=2), device="cpu")
+    params = qwen3_dense_parameters_from_hf(hf_dense().config.to_dict())
     with torch.device("meta"):
-        model = Qwen3DenseForCausalLM(qwen3_dense_parameters_from_hf(hf_dense().config.to_dict()), config=IN_FORWARD)
-    with pytest.raises(ValueError, match=r"loss_gradients_in_forward=True is not supported with tensor parallel"):
-        parallelize_qwen3_dense(model, ctx, FsdpConfig())
-    # A head split by hand gets the same answer from its forward.
-    head = SplitLanguageModellingHead({"regular": 8}, 4, loss_gradients_in_forward=True)
-    materialize_(head, "cpu")
-    parallelize_vocab_head(head.segments["regular"], ctx.mesh_for(MeshDomain.DENSE)["tp"])
-    with pytest.raises(ValueError, match=r"vocabulary-parallel .*set DecoderConfig.loss_gradients_in_forward=False"):
-        head(torch.randn(3, 4), torch.tensor([1, 2, 3]))
+        model = Qwen3DenseForCausalLM(params, config=IN_FORWARD)
+        reference = Qwen3DenseForCausalLM(params, config=EAGER)
+    parallelize_qwen3_dense(model, ctx, FsdpConfig())
+    for built in (model, reference):
+        torch.manual_seed(0)
+        materialize_(built, "cpu")  # sharded parameters get the single-process values
+    ids, labels = _batch(seq=8)  # the sequence splits over the tp ranks
+    got, want = model(ids, labels=labels), reference(ids, labels=labels)
+    (got.loss_sum * 0.1).backward()
+    (want.loss_sum * 0.1).backward()
+    torch.testing.assert_close(got.loss_sum, want.loss_sum, **FP32)
+    assert not got.losses.requires_grad
+    grads = {
+        name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for name, p in model.named_parameters()
+    }
+    _assert_same_grads(grads, _grads(reference))

@@ -55,12 +55,6 @@ def check_topology(
             f"{section}.model.decoder.compile_model=true with {section}.degrees.pp={degrees.pp}: a pipeline's split "
             f"backward needs each layer's autograd graph; set {section}.model.decoder.compile_layers=true instead"
         )
-    if degrees.tp > 1 and model.decoder.loss_gradients_in_forward:
-        raise PreflightError(
-            f"{section}.model.decoder.loss_gradients_in_forward=true with {section}.degrees.tp={degrees.tp}: the "
-            f"vocabulary-parallel LM head forms its loss gradients in backward (design note 0023); set "
-            f"{section}.model.decoder.loss_gradients_in_forward=false"
-        )
     if degrees.pp > 1 and microbatches_per_step is not None:
         _check_pipeline(section, topology, model, degrees, microbatches_per_step)
     return degrees

@@ -31,7 +31,7 @@ class DecoderConfig(BaseModel):
     `loss_chunk_size`: tokens per chunk of the LM loss (bounds the logits held at once).
     `loss_gradients_in_forward`: the LM head computes the gradients of the loss *sum* in forward, from one logits
     matmul per chunk (backward only scales them): train through `CausalLMOutput.loss_sum`, whose `losses` are then
-    detached. Not with a tensor-parallel head (refused there). See docs/design/0023-loss-gradients-in-forward.md.
+    detached. Tensor-parallel heads too. See docs/design/0023-loss-gradients-in-forward.md.
     `expert_dispatch`: the token exchange of expert parallelism (`None`: `D9D_BACKEND_AUTO_EXPERT_DISPATCH`, else
     detected); used only when the plan has `ep > 1`.
     `moe_capacity_factor`: drop the routed copies beyond `ceil(factor * tokens * top_k / experts)` per expert and

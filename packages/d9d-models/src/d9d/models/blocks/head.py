@@ -15,7 +15,11 @@ from d9d.kernels.linear_cross_entropy import EagerLinearCrossEntropy, LinearCros
 from d9d.models.blocks.embedding import check_segments, weight_of
 from d9d.models.blocks.late_init import init_normal_
 from d9d.models.blocks.loss import chunked_linear_cross_entropy
-from d9d.parallel.tensor import vocab_parallel_cross_entropy, vocab_parallel_logits
+from d9d.parallel.tensor import (
+    vocab_parallel_cross_entropy,
+    vocab_parallel_cross_entropy_sum,
+    vocab_parallel_logits,
+)
 
 
 @dataclass(frozen=True)
@@ -36,7 +40,7 @@ class SplitLanguageModellingHead(nn.Module):
     """`segments.<name>.weight` `(size, hidden)` per vocabulary segment; logits are over their concatenation.
 
     `loss_gradients_in_forward`: compute the loss gradients in forward for the loss *sum* (one logits matmul per
-    chunk instead of two; design note 0023); not available on a vocabulary-parallel (tensor-parallel) head."""
+    chunk instead of two; design note 0023), on a vocabulary-parallel (tensor-parallel) head too."""
 
     def __init__(
         self, segments: Mapping[str, int], hidden_size: int, *, init_std: float = 0.02, loss_chunk_size: int = 2048,
@@ -96,12 +100,9 @@ class SplitLanguageModellingHead(nn.Module):
         return chunked_linear_cross_entropy(hidden, weight, labels, chunk_size=self.loss_chunk_size)
 
     def _summed_loss(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> LanguageModellingLoss:
-        if isinstance(weight, DTensor):
-            raise ValueError(
-                "loss_gradients_in_forward=True is not supported on a vocabulary-parallel (tensor-parallel) LM head "
-                f"(its weight is a DTensor with placements {tuple(weight.placements)}); set "
-                "DecoderConfig.loss_gradients_in_forward=False for tensor parallelism (design note 0023)"
-            )
+        if isinstance(weight, DTensor):  # tensor parallel: the vocabulary-parallel loss, summed
+            total, losses = vocab_parallel_cross_entropy_sum(hidden, weight, labels, chunk_size=self.loss_chunk_size)
+            return LanguageModellingLoss(losses=losses, loss_sum=total)
         kernel = self.loss_kernel if self.loss_kernel is not None else EagerLinearCrossEntropy()
         summed = kernel.summed(hidden, weight, labels, chunk_size=self.loss_chunk_size)
         return LanguageModellingLoss(losses=summed.losses, loss_sum=summed.total)

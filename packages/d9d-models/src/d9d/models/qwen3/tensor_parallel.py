@@ -140,17 +140,10 @@ def apply_qwen3_tensor_parallel(
     parallelism (`config.sequence_parallel`; without it an MoE block routes every token on every tp rank).
 
     Raises:
-        ValueError: the shapes do not divide by the mesh size (see `check_qwen3_tp_degrees`), a parameter outside
-            the MoE blocks was left out of the plan (it would silently train differently on each tp rank), or the
-            model computes its loss gradients in forward (not on a vocabulary-parallel head).
+        ValueError: the shapes do not divide by the mesh size (see `check_qwen3_tp_degrees`), or a parameter outside
+            the MoE blocks was left out of the plan (it would silently train differently on each tp rank).
     """
     check_qwen3_tp_degrees(plan.params, mesh.size())
-    if any(getattr(module, "loss_gradients_in_forward", False) for module in model.modules()):
-        raise ValueError(
-            f"DecoderConfig.loss_gradients_in_forward=True is not supported with tensor parallelism (tp={mesh.size()}):"
-            " the vocabulary-parallel head forms its loss gradients in backward; set loss_gradients_in_forward=False"
-            " (design note 0023)"
-        )
     styles = _SEQUENCE_PARALLEL_STYLES if config.sequence_parallel else _REPLICATED_STYLES
     claimed: set[int] = set()
     local_regions: list[nn.Module] = []
