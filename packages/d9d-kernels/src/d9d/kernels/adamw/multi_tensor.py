@@ -97,7 +97,7 @@ def stochastic_adamw_multi_step(
         ):
             _raise_mismatch(param, grad, exp_avg, exp_avg_sq, dtypes, device)
         addresses = (param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr())
-        misaligned |= addresses[0] | addresses[1] | addresses[2] | addresses[3]
+        misaligned |= addresses[0] | addresses[1] | addresses[2] | addresses[3] | numel
         rows.extend(addresses)
         rows.extend((numel, seed32(seed_p), seed32(seed_m), seed32(seed_v)))
         numels.append(numel)

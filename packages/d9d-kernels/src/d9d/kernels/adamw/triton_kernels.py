@@ -126,9 +126,12 @@ TABLE_COLUMNS = ("param address", "grad address", "exp_avg address", "exp_avg_sq
 
 @triton.jit
 def _typed_pointer(address, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
-    if ALIGNED:  # every address of the launch is a multiple of 16 bytes: lets the compiler vectorise the accesses
-        address = tl.multiple_of(address, 16)
-    return address.to(tl.pointer_type(DTYPE))
+    pointer = address.to(tl.pointer_type(DTYPE))
+    if ALIGNED:
+        # Every address of the launch is a multiple of 16 bytes: 128-bit accesses, as the per-tensor kernel gets from
+        # Triton's divisibility specialisation of pointer arguments. The hint must sit on the pointer, not the int.
+        pointer = tl.multiple_of(pointer, 16)
+    return pointer
 
 
 @triton.jit
@@ -145,12 +148,15 @@ def _adamw_multi_kernel(
     block = tl.load(block_map_ptr + 2 * tl.program_id(0) + 1)
     row = table_ptr + tensor.to(tl.int64) * 8  # len(TABLE_COLUMNS)
     offsets = block * BLOCK + tl.arange(0, BLOCK)
+    n_elements = tl.load(row + 4)
+    if ALIGNED:  # and every element count a multiple of 16: the mask is constant over each 128-bit access
+        n_elements = tl.multiple_of(n_elements, 16)
     _adamw_update(
         _typed_pointer(tl.load(row + 0), PARAM_DTYPE, ALIGNED),
         _typed_pointer(tl.load(row + 1), GRAD_DTYPE, ALIGNED),
         _typed_pointer(tl.load(row + 2), STATE_DTYPE, ALIGNED),
         _typed_pointer(tl.load(row + 3), STATE_DTYPE, ALIGNED),
-        offsets, offsets < tl.load(row + 4),
+        offsets, offsets < n_elements,
         decay, one_minus_beta1, beta2, one_minus_beta2, eps, step_size, bias_correction2_sqrt,
         tl.load(row + 5).to(tl.int32), tl.load(row + 6).to(tl.int32), tl.load(row + 7).to(tl.int32),
         PARAM_DTYPE == tl.bfloat16, STATE_DTYPE == tl.bfloat16,
