@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from anchor_models import DENSE, parameter_shapes
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from anchor_models import DENSE, parameter_shapes
 from d9d.core.optim import StochasticAdamW, fused_step
 
 

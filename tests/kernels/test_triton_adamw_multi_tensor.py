@@ -16,7 +16,8 @@ from triton_cases import DEVICE, randn, requires_triton
 
 from d9d.core.optim import AdamWStepParameters, StochasticAdamW
 from d9d.core.optim import fused_step as fused_step_module
-from d9d.kernels.adamw import multi_tensor, register_triton_stochastic_adamw, triton_stochastic_adamw_step
+from d9d.kernels.adamw import multi_tensor as multi_tensor_module
+from d9d.kernels.adamw import register_triton_stochastic_adamw, triton_stochastic_adamw_step
 from d9d.kernels.adamw.multi_tensor import block_map, stochastic_adamw_multi_step
 
 pytestmark = requires_triton
@@ -30,7 +31,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def _registered(monkeypatch):
     monkeypatch.setattr(fused_step_module, "_registered", [])
     monkeypatch.setattr(fused_step_module, "_registered_multi", [])
-    monkeypatch.setattr(multi_tensor, "INTERPRETER_BLOCK", 64)
+    monkeypatch.setattr(multi_tensor_module, "INTERPRETER_BLOCK", 64)
     register_triton_stochastic_adamw()
 
 

@@ -96,7 +96,7 @@ def stochastic_adamw_multi_step(
             or exp_avg_sq.dtype != dtypes[2]
             or param.device != device
         ):
-            _raise_mismatch(param, grad, exp_avg, exp_avg_sq, dtypes, device)
+            _raise_mismatch((param, grad, exp_avg, exp_avg_sq), dtypes, device)
         addresses = (param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr())
         misaligned |= addresses[0] | addresses[1] | addresses[2] | addresses[3] | numel
         rows.extend(addresses)
@@ -116,16 +116,13 @@ def stochastic_adamw_multi_step(
 
 
 def _raise_mismatch(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
+    tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     dtypes: tuple[torch.dtype, torch.dtype, torch.dtype],
     device: torch.device,
 ) -> None:
     described = ", ".join(
         f"{name} {tuple(tensor.shape)} {tensor.dtype} on {tensor.device} (contiguous={tensor.is_contiguous()})"
-        for name, tensor in (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq))
+        for name, tensor in zip(("param", "grad", "exp_avg", "exp_avg_sq"), tensors, strict=True)
     )
     raise ValueError(
         "the multi-tensor AdamW step needs, per parameter, contiguous tensors of one size, and one dtype per role "

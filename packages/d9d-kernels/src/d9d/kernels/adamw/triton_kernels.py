@@ -159,7 +159,7 @@ def _adamw_multi_kernel(
         offsets, offsets < n_elements,
         decay, one_minus_beta1, beta2, one_minus_beta2, eps, step_size, bias_correction2_sqrt,
         tl.load(row + 5).to(tl.int32), tl.load(row + 6).to(tl.int32), tl.load(row + 7).to(tl.int32),
-        PARAM_DTYPE == tl.bfloat16, STATE_DTYPE == tl.bfloat16,
+        PARAM_DTYPE == tl.bfloat16, STATE_DTYPE == tl.bfloat16,  # noqa: SIM300 - folded by Triton: constexpr first
     )  # fmt: skip
 
 
