@@ -161,7 +161,8 @@ class StochasticAdamW(Optimizer):
         cost of a dispatched `add_`, which was most of the step's host time with hundreds of parameters)."""
         counter = self._steps.get(param)
         if counter is None or counter.tensor is not step:
-            view = step.numpy() if step.device.type == "cpu" and not step.requires_grad else None
+            writable = type(step) is torch.Tensor and step.device.type == "cpu" and not step.requires_grad
+            view = step.numpy() if writable else None  # else (a subclass, a device tensor) a dispatched fill_
             counter = self._steps[param] = _StepCounter(tensor=step, view=view, count=int(step.item()))
         counter.count += 1
         if counter.view is not None:
