@@ -83,7 +83,7 @@ def stochastic_adamw_multi_step(
     device = first[0].device
     rows: list[int] = []
     numels: list[int] = []
-    misaligned = 0
+    alignment = 0  # the OR of every address and size: its low 4 bits are zero iff all are multiples of 16
     for param, grad, exp_avg, exp_avg_sq, (seed_p, seed_m, seed_v) in zip(
         params, grads, exp_avgs, exp_avg_sqs, seeds, strict=True
     ):
@@ -95,10 +95,11 @@ def stochastic_adamw_multi_step(
             or (param.dtype, grad.dtype, exp_avg.dtype) != dtypes
             or exp_avg_sq.dtype != dtypes[2]
             or param.device != device
+            or grad.device != device
         ):
             _raise_mismatch((param, grad, exp_avg, exp_avg_sq), dtypes, device)
         addresses = (param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr())
-        misaligned |= addresses[0] | addresses[1] | addresses[2] | addresses[3] | numel
+        alignment |= addresses[0] | addresses[1] | addresses[2] | addresses[3] | numel
         rows.extend(addresses)
         rows.extend((numel, seed32(seed_p), seed32(seed_m), seed32(seed_v)))
         numels.append(numel)
@@ -112,7 +113,7 @@ def stochastic_adamw_multi_step(
     if on_gpu:
         table = table.to(device, non_blocking=True)  # the pinned buffer stays reserved until the copy has run
     launch_multi(
-        table, mapping, hyper, dtypes, aligned=misaligned % 16 == 0, block=chosen, num_warps=NUM_WARPS
+        table, mapping, hyper, dtypes, aligned=alignment % 16 == 0, block=chosen, num_warps=NUM_WARPS
     )  # fmt: skip
 
 
