@@ -61,20 +61,27 @@ def _slots(shapes, param_dtype, state_dtype, seed):
     return slots
 
 
+# Every size a multiple of 16 (and CPU allocations 64-byte aligned): the kernel's `ALIGNED` path (128-bit accesses).
+ALIGNED_SHAPES = [(160,), (4, 48), (0,), (16,)]
+
+
 @pytest.mark.parametrize("param_dtype", DTYPES.values(), ids=[f"{name}-params" for name in DTYPES])
 @pytest.mark.parametrize("state_dtype", DTYPES.values(), ids=[f"{name}-moments" for name in DTYPES])
-def test_one_launch_gives_the_per_tensor_bits_for_every_size(param_dtype, state_dtype):
-    per_tensor = _slots(SHAPES, param_dtype, state_dtype, seed=1)
+@pytest.mark.parametrize("shapes", [SHAPES, ALIGNED_SHAPES], ids=["odd-sizes", "aligned"])
+def test_one_launch_gives_the_per_tensor_bits_for_every_size(param_dtype, state_dtype, shapes):
+    per_tensor = _slots(shapes, param_dtype, state_dtype, seed=1)
     multi = copy.deepcopy(per_tensor)
     start = copy.deepcopy(per_tensor)
+    if shapes is ALIGNED_SHAPES:  # the case exercises the path it names
+        assert all(tensor.data_ptr() % 16 == 0 for slots in multi for tensor in slots)
     for step in (1, 2, 3):  # the step count and the seeds change from step to step, as in the optimizer
         hyper = AdamWStepParameters(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=step)
         # Large seeds too: the launcher folds 63-bit seeds to Philox's 32 bits as the per-tensor step does.
-        seeds = [(2**62 + 3 * i + step, 2**40 * i + step, 7 * i + 100 * step) for i in range(len(SHAPES))]
+        seeds = [(2**62 + 3 * i + step, 2**40 * i + step, 7 * i + 100 * step) for i in range(len(shapes))]
         for slots, triple in zip(per_tensor, seeds, strict=True):
             triton_stochastic_adamw_step(*slots, hyper=hyper, seeds=triple)
         stochastic_adamw_multi_step(*(list(column) for column in zip(*multi, strict=True)), hyper=hyper, seeds=seeds)
-    for shape, want, got, before in zip(SHAPES, per_tensor, multi, start, strict=True):
+    for shape, want, got, before in zip(shapes, per_tensor, multi, start, strict=True):
         for name, w, g, b in zip(("param", "grad", "exp_avg", "exp_avg_sq"), want, got, before, strict=True):
             _assert_same_bits(g, w, f"{name} of shape {shape}")
             if name != "grad" and w.numel():
