@@ -42,7 +42,9 @@ def addmm_float32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch
     """`acc += a @ b` in place, `acc` float32, `a`/`b` of one floating dtype; returns `acc`."""
     if a.dtype == acc.dtype:
         return acc.addmm_(a, b)
-    if fused_float32_addmm_supported(acc.device, a.dtype):
+    # Traced (the eager backend under torch.compile): no host-side probe inside a graph; the compiler sees the
+    # product and the add and may fuse them itself. The Triton backend runs this inside its opaque custom op.
+    if not torch.compiler.is_compiling() and fused_float32_addmm_supported(acc.device, a.dtype):
         torch.ops.aten.addmm.dtype_out(acc, a, b, torch.float32, out=acc)
         return acc
     return acc.add_(a @ b)
