@@ -5,7 +5,7 @@ Ops (`d9d_kernels::` prefix): `linear_cross_entropy_stats` (forward: per-token `
 `linear_cross_entropy_backward_input` / `linear_cross_entropy_backward_weight` for pipeline schedules (each
 recomputes the logits itself: a split backward costs one more logits matmul than the fused one), and
 `linear_cross_entropy_with_gradients` (the summed loss: per-token losses and the gradients of their sum, computed in
-forward; its autograd backward only scales them, see `summed_gradients`).
+forward; its autograd function, in `summed.py`, only scales them in backward).
 """
 
 from __future__ import annotations
