@@ -77,21 +77,23 @@ def _stats_and_gradient_kernel(
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * n_vocab
+    label = tl.load(targets_ptr + row)
     maximum = tl.full([], float("-inf"), tl.float32)
     total = tl.full([], 0.0, tl.float32)
+    target = tl.full([], 0.0, tl.float32)
     for start in range(0, n_vocab, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         values = tl.load(base + cols, mask=cols < n_vocab, other=float("-inf")).to(tl.float32)
         new_max = tl.maximum(maximum, tl.max(values, axis=0))
         total = total * tl.exp(maximum - new_max) + tl.sum(tl.exp(values - new_max), axis=0)
         maximum = new_max
-    label = tl.load(targets_ptr + row)
+        # The target's logit is picked up in this sweep, not read back later: the sweep below overwrites the row,
+        # and a warp running ahead into it could otherwise beat another warp's read of that element.
+        target += tl.sum(tl.where(cols == label, values, 0.0), axis=0)
     valid = label != ignore_index
-    inside = (label >= 0) & (label < n_vocab)
-    target = tl.load(base + tl.where(inside, label, 0)).to(tl.float32)  # read before the sweep below overwrites it
     tl.store(max_ptr + row, maximum)
     tl.store(sum_ptr + row, total)
-    tl.store(target_ptr + row, tl.where(inside, target, 0.0))
+    tl.store(target_ptr + row, target)  # 0 when the label is outside the vocabulary (ignored)
     lse = maximum + tl.log(total)
     scale = tl.where(valid, 1.0, 0.0)
     for start in range(0, n_vocab, BLOCK):
