@@ -94,7 +94,7 @@ def _fully_shard(
     assert isinstance(sharded, FSDPModule)
     use_sum_reduction(sharded)
     if offload:
-        mark_cpu_offloaded(sharded)
+        mark_cpu_offloaded(module)  # the same object as `sharded`, typed as a module
     return sharded
 
 
