@@ -1,8 +1,9 @@
 """CPU offload on a GPU (skipped cleanly without one): the state really leaves the device, and training is unchanged.
 
-A small Qwen3 dense model (7.3 M parameters: 29 MB of float32 weights, as much again of gradients, twice that of AdamW
-moments) trains 4 steps on short rows, so the parameters, gradients and optimizer state dominate the peak, not the
-activations. FSDP on one GPU with and without `offload`, each in its own forked child (a CUDA context per run):
+A small Qwen3 dense model (29.4 M parameters: 112 MiB of float32 weights, as much again of gradients, twice that of
+AdamW moments) trains 4 steps on rows of 32 tokens, so the parameters, gradients and optimizer state dominate the peak,
+not the activations or the fixed cuBLAS workspace. FSDP on one GPU with and without `offload`, each in its own forked
+child (a CUDA context per run):
 
 - offloaded, the parameter shards are pinned CPU tensors, the optimizer state is on the CPU, the buffers (RoPE
   tables) and the computation stay on the GPU, and the peak GPU memory is below half the plain run's;
@@ -49,8 +50,8 @@ def _train(*, offload: bool, bf16: bool) -> dict[str, Any]:
     torch.backends.cudnn.allow_tf32 = False
     ctx = DistributedContext.build(MeshDegrees(), device="cuda")
     params = Qwen3DenseParameters(
-        hidden_size=256, intermediate_size=768, num_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=64, vocab_size=8192,
+        hidden_size=512, intermediate_size=1536, num_layers=4, num_attention_heads=8, num_key_value_heads=4,
+        head_dim=64, vocab_size=16384,
     )  # fmt: skip
     with torch.device("meta"):
         model = Qwen3DenseForCausalLM(params)
