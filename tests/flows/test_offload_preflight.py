@@ -77,3 +77,15 @@ def test_offload_with_a_kind_that_has_no_fsdp_units(capsys, tmp_path, kind):
     assert "pretrain.data_parallel" in err
     assert f"kind={kind!r} cannot offload (got offload=True)" in err
     assert "use kind='fsdp'" in err
+
+
+def test_offloaded_adamw_takes_the_fused_cpu_kernel_unless_told_otherwise():
+    from d9d.core.optim import AdamWConfig, StochasticAdamWConfig
+    from d9d.flows.jobs.offload_checks import offloaded_optimizer
+
+    offloaded = FsdpConfig(offload=True)
+    assert offloaded_optimizer(AdamWConfig(), offloaded) == AdamWConfig(fused=True)
+    assert offloaded_optimizer(AdamWConfig(fused=False), offloaded) == AdamWConfig(fused=False)  # asked for: kept
+    assert offloaded_optimizer(AdamWConfig(foreach=True), offloaded) == AdamWConfig(foreach=True)
+    assert offloaded_optimizer(AdamWConfig(), FsdpConfig()) == AdamWConfig()  # no offload: PyTorch's default
+    assert offloaded_optimizer(StochasticAdamWConfig(), offloaded) == StochasticAdamWConfig()

@@ -1,10 +1,10 @@
-"""Preflight of CPU offload (`data_parallel.offload=true`, d9d.parallel.offload): what it cannot run with, refused
-before any rank starts, naming the fields, their values and the fix."""
+"""CPU offload in the stages (`data_parallel.offload=true`, d9d.parallel.offload): the preflight of what it cannot run
+with, refused before any rank starts naming the fields, their values and the fix; and the optimizer it runs."""
 
 from __future__ import annotations
 
 from d9d.core.dist import MeshDegrees
-from d9d.core.optim import AnyOptimizerConfig, StochasticAdamWConfig
+from d9d.core.optim import AdamWConfig, AnyOptimizerConfig, StochasticAdamWConfig
 from d9d.flows.jobs.stage_spec import PreflightError
 from d9d.parallel import AnyDataParallelConfig, FsdpConfig, HsdpConfig
 
@@ -49,3 +49,11 @@ def check_evaluation_offload(section: str, config: AnyDataParallelConfig) -> Non
             f"evaluation has neither (its parameters would only be copied in for every forward); set "
             f"{section}.data_parallel.offload=false"
         )
+
+
+def offloaded_optimizer(optimizer: AnyOptimizerConfig, config: AnyDataParallelConfig) -> AnyOptimizerConfig:
+    """The optimizer a rank builds: under offload, AdamW with `fused` unset takes PyTorch's fused CPU kernel (unset,
+    PyTorch runs its per-tensor loop on CPU tensors, several times slower); an explicit `fused` is kept."""
+    if offloads(config) and isinstance(optimizer, AdamWConfig) and optimizer.fused is None and not optimizer.foreach:
+        return optimizer.model_copy(update={"fused": True})
+    return optimizer

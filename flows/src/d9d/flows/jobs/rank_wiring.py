@@ -46,6 +46,7 @@ from d9d.core.loop import (
 from d9d.core.lr import build_lr_scheduler
 from d9d.core.optim import build_optimizer
 from d9d.flows.jobs.launch import emit_progress, prepare_rank
+from d9d.flows.jobs.offload_checks import offloaded_optimizer
 from d9d.flows.jobs.optimizer_kernels import register_optimizer_kernels
 from d9d.flows.jobs.topology import RankTopology
 from d9d.flows.jobs.torchrun_stage import TrainingStageConfig
@@ -247,7 +248,8 @@ def build_stage_trainer(
 
     def optimizer_provider(model: nn.Module) -> Optimizer:
         register_optimizer_kernels(stage.optimizer)
-        return build_optimizer(stage.optimizer, [param for param in model.parameters() if param.requires_grad])
+        optimizer = offloaded_optimizer(stage.optimizer, stage.data_parallel)
+        return build_optimizer(optimizer, [param for param in model.parameters() if param.requires_grad])
 
     def lr_provider(optimizer: Optimizer, total_steps: int) -> LRScheduler:
         return build_lr_scheduler(stage.lr_schedule, optimizer, total_steps)
