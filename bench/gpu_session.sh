@@ -19,7 +19,7 @@
 #   profile  : ablation rows (PROFILE_ROWS) with a Chrome trace each and its summary (where the step's time goes)
 #   losscurve: bench/loss_curve.py, 200 steps of the baseline vs the combined configuration
 #   fusedloss: the fused loss with gradients in forward (design 0023): kernel rows at chunks 2048 and 4096, its GPU
-#              tests, then dense ablation rows 7 (in forward), 10 (recomputed in backward, the old path), 11 (chunk 4096)
+#              tests, then dense ablation rows 7 (in forward), 13 (recomputed in backward, the old path), 14 (chunk 4096)
 #   deepep   : build DeepEP in the background (its own session, so it outlives the call), then test it
 set -u
 out=${OUT:-/tmp/d9d-gpu}; mkdir -p "$out"
@@ -139,7 +139,7 @@ for part in "$@"; do case $part in
       | grep -E "^[|#]"
     timeout 140 python3 -m pytest -q -s -p no:cacheprovider -rfE --tb=short -m gpu tests/kernels/test_gpu_triton.py \
       -k "cross_entropy or accumulation" 2>&1 | tee "$out/fusedloss-tests.log" | tail -12 | cut -c1-300
-    run 0 ${ABLATION_SECONDS:-300} ablation.log bench/trainer_step.py --ablation dense --rows 7,10,11 ;;
+    run 0 ${ABLATION_SECONDS:-300} ablation.log bench/trainer_step.py --ablation dense --rows 7,13,14 ;;
   losscurve)  # 200 steps of the baseline and the "all" row (LOSS_ROW=index), max relative loss-curve deviation
     for model in ${LOSS_MODELS:-dense}; do
       run 0 ${LOSS_SECONDS:-290} losscurve.log bench/loss_curve.py --model $model --fast ${LOSS_ROW:-6}; done ;;
