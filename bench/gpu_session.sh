@@ -18,8 +18,9 @@
 #   ablation : bench/trainer_step.py --ablation dense, then moe (each lever alone, then all combined)
 #   profile  : ablation rows (PROFILE_ROWS) with a Chrome trace each and its summary (where the step's time goes)
 #   losscurve: bench/loss_curve.py, 200 steps of the baseline vs the combined configuration
-#   fusedloss: the fused loss with gradients in forward (design 0023): kernel rows at chunks 2048 and 4096, its GPU
-#              tests, then dense ablation rows 7 (in forward), 13 (recomputed in backward, the old path), 14 (chunk 4096)
+#   fusedloss: the fused loss with gradients in forward (design 0023): kernel rows at chunks 2048 and 4096, its
+#              GPU tests, then dense ablation rows 7 (in forward), 13 (recomputed in backward: the old path), 14
+#              (chunk 4096)
 #   deepep   : build DeepEP in the background (its own session, so it outlives the call), then test it
 set -u
 out=${OUT:-/tmp/d9d-gpu}; mkdir -p "$out"
