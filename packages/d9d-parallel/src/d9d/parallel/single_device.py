@@ -27,7 +27,7 @@ def cast_parameters_(module: nn.Module, dtype: torch.dtype) -> None:
 class SingleDeviceGradientSync:
     """The loop's per-step protocol for an unwrapped module: gradients start at None, accumulate in `grad_dtype`.
 
-    The module's trainable parameters are collected at the first `begin_step` (after materialisation: moving a
+    The module's parameters are collected at the first `begin_step` (after materialisation: moving a
     module off the meta device makes new `Parameter` objects) and their `grad_dtype` is set then, once. Later storage
     moves (`.data` assignment, `to()`, checkpoint loading) keep both the objects and `grad_dtype`, so each step only
     clears the gradients of that list: no walk over the module tree, which costs milliseconds of host time at the
@@ -58,10 +58,10 @@ class SingleDeviceGradientSync:
                 f"{len(on_meta)} parameters (first: {on_meta[0]!r}) are still on the meta device at the first "
                 "training step; materialise the module (e.g. `materialize_`) before it."
             )
-        parameters = [param for _, param in named if param.requires_grad]
+        parameters = [param for _, param in named]
         if self.grad_dtype is not None:
             for param in parameters:
-                if param.is_floating_point() and param.grad_dtype != self.grad_dtype:
+                if param.requires_grad and param.is_floating_point() and param.grad_dtype != self.grad_dtype:
                     param.grad_dtype = self.grad_dtype
         return parameters
 

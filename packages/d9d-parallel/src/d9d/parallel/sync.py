@@ -19,8 +19,8 @@ class GradientSync(Protocol):
 class ModuleGradientSync:
     """For modules that reduce their own gradients during backward (FSDP, HSDP): clears them at the step's start.
 
-    The trainable parameters are collected at the first `begin_step` (after materialisation) and each step clears
-    that list's gradients, not the module tree's: walking it costs milliseconds of host time at the anchors' sizes.
+    The parameters are collected at the first `begin_step` (after materialisation) and each step clears that list's
+    gradients, not the module tree's: walking it costs milliseconds of host time at the anchors' sizes.
     FSDP swaps unsharded parameters in only during forward and backward; between steps the module holds the same
     sharded `Parameter` objects.
     """
@@ -33,7 +33,7 @@ class ModuleGradientSync:
         if num_microbatches < 1:
             raise ValueError(f"num_microbatches must be at least 1, got {num_microbatches}")
         if self._parameters is None:
-            self._parameters = [param for param in self.module.parameters() if param.requires_grad]
+            self._parameters = list(self.module.parameters())
         for param in self._parameters:
             param.grad = None
 

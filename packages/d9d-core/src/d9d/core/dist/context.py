@@ -233,7 +233,9 @@ def _host_control_group(default_backend: str, timeout: timedelta) -> dist.Proces
         world = dist.group.WORLD
         assert world is not None
         return world
-    return dist.new_group(backend="gloo", timeout=timeout)
+    group = dist.new_group(backend="gloo", timeout=timeout)
+    assert isinstance(group, dist.ProcessGroup)  # typed loosely in torch; every rank is in this one
+    return group
 
 
 def _init_default_group(launch: LaunchEnvironment, device_type: Literal["cpu", "cuda"], timeout: timedelta) -> None:

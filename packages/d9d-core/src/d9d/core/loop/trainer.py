@@ -130,7 +130,7 @@ class Trainer(Generic[TBatch]):
         )
         self.skipped_steps = 0  # steps dropped by the non-finite guard, over the whole run (resumed too)
         self._consecutive_skips = 0
-        self._parameters: list[nn.Parameter] | None = None  # see `_trainable_parameters`
+        self._parameters: list[nn.Parameter] | None = None  # see `_model_parameters`
 
     # Checkpoints -----------------------------------------------------------------------------------------------
 
@@ -261,7 +261,7 @@ class Trainer(Generic[TBatch]):
         (global_tokens,) = sum_over([float(local_tokens)], self._group, self.ctx.device)
         if global_tokens == 0:
             raise ValueError(f"step {step}: the global batch has no counted tokens (every label ignored?)")
-        params = self._trainable_parameters()
+        params = self._model_parameters()
         for param in params:
             param.grad = None
         if parts.aux_losses is not None:
@@ -327,14 +327,14 @@ class Trainer(Generic[TBatch]):
             raise NonFiniteStepError(stop_reason)
         return loss
 
-    def _trainable_parameters(self) -> list[nn.Parameter]:
-        """The model's parameters that require gradients, walked once, at the first step (after materialisation
-        and resume). Walking the module tree costs about a millisecond per call at the anchors' 311 parameters, on
-        the host, at every step; the `Parameter` objects do not change after the model is built (moving storage,
-        as `.data` assignment, `to()` and checkpoint loading do, keeps them). Clearing them is the step's one
-        `zero_grad` (set to None; gradients of parameters outside the optimizer are cleared too)."""
+    def _model_parameters(self) -> list[nn.Parameter]:
+        """The model's parameters, walked once, at the first step (after materialisation and resume). Walking the
+        module tree costs about a millisecond of host time per call at the anchors' 311 parameters; the `Parameter`
+        objects do not change after the model is built (moving storage, as `.data` assignment, `to()` and
+        checkpoint loading do, keeps them). Clearing their gradients is the step's `zero_grad` (set to None), which
+        also covers parameters the optimizer does not hold."""
         if self._parameters is None:
-            self._parameters = [param for param in self.parts.model.parameters() if param.requires_grad]
+            self._parameters = list(self.parts.model.parameters())
         return self._parameters
 
     def _skip_step(self, loss: float, grad_norm: float) -> str | None:
