@@ -61,3 +61,14 @@ def flops_per_token(params: Qwen3DenseParameters, seq: int) -> float:
         ffn = 3 * h * params.intermediate_size
     dense = params.num_layers * (attention + ffn) + h + params.vocab_size * h
     return 6 * dense + 12 * params.num_layers * q * d * seq
+
+
+def parameter_shapes(params: Qwen3DenseParameters) -> list[tuple[int, ...]]:
+    """The shapes of the causal-LM model's parameters, in `model.parameters()` order (built on the meta device)."""
+    import torch
+
+    from d9d.models.qwen3 import Qwen3DenseForCausalLM, Qwen3MoeForCausalLM
+
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(params) if isinstance(params, Qwen3MoeParameters) else Qwen3DenseForCausalLM(params)
+    return [tuple(param.shape) for param in model.parameters()]

@@ -7,6 +7,7 @@
 #   nccltests: the NCCL tests of context attention and expert dispatch, failures in full
 #   faults   : bench/faults.py's stage kinds on the CPUs, FAULT_PROCS campaigns in the background (call `wait` last)
 #   scaling  : dense FSDP compiled on 1, 2, 4 GPUs;  ep2: MoE on 1 GPU, then FSDP-only and ep=2 on 2 GPUs
+#   ep4      : MoE on 1 GPU, then FSDP-only, ep=4 and DeepEP on 4 GPUs (issue 15's goal rows)
 #   kerneltests: GPU tests in the pytest process (kernels at real sizes, models); run after forking parts
 #   compile  : tp2 x dp_shard2 with compiled layers, async TP off and on
 #   pipeline : pipeline schedules at pp=4, then the GPU parity tests of every parallel style over NCCL
@@ -15,6 +16,7 @@
 #   kernels  : the kernel table and the single-GPU Trainer ablation
 #   generationtp: decoding under tp=2 (eager, compiled) next to one GPU, then the NCCL tp generation tests
 #   ablation : bench/trainer_step.py --ablation dense, then moe (each lever alone, then all combined)
+#   profile  : ablation rows (PROFILE_ROWS) with a Chrome trace each and its summary (where the step's time goes)
 #   losscurve: bench/loss_curve.py, 200 steps of the baseline vs the combined configuration
 #   deepep   : build DeepEP in the background (its own session, so it outlives the call), then test it
 set -u
@@ -76,6 +78,11 @@ for part in "$@"; do case $part in
     run 0 120 ep.log $E --modes fsdp --steps 8 --warmup 3 --profile-steps 2 --budget-seconds 105 --trace-dir "$out/traces"
     run 0,1 ${EP_SECONDS:-240} ep.log $E --modes fsdp ep deep_ep --steps 8 --warmup 3 --profile-steps 2 \
       --budget-seconds $(( ${EP_SECONDS:-240} - 15 )) --trace-dir "$out/traces" ;;
+  ep4)  # issue 15's goal rows: the MoE anchor's 1-GPU figure, then FSDP-only, ep=4 and DeepEP on 4 GPUs
+    E=bench/expert_parallel.py
+    run 0 100 ep.log $E --modes fsdp --steps 8 --warmup 3 --profile-steps 2 --budget-seconds 85 --trace-dir "$out/traces"
+    run 0,1,2,3 ${EP_SECONDS:-200} ep.log $E --modes fsdp ep deep_ep --steps 8 --warmup 3 --profile-steps 2 \
+      --budget-seconds $(( ${EP_SECONDS:-200} - 15 )) --trace-dir "$out/traces" ;;
   kerneltests)  # GPU tests that use CUDA in the pytest process (after every forking test)
     timeout 170 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -m gpu tests/kernels tests/models 2>&1 \
       | tee "$out/kernel-tests.log" | tail -25 | cut -c1-300 ;;
@@ -118,6 +125,13 @@ for part in "$@"; do case $part in
     for model in ${ABLATION_MODELS:-dense moe}; do
       run 0 ${ABLATION_SECONDS:-290} ablation.log bench/trainer_step.py --ablation $model \
         ${ABLATION_ROWS:+--rows $ABLATION_ROWS}; done ;;
+  profile)  # ablation rows with a 2-step Chrome trace each, summarised by bench/trace_summary.py (PROFILE_ROWS=0,7)
+    for model in ${ABLATION_MODELS:-dense}; do
+      run 0 ${ABLATION_SECONDS:-400} ablation.log bench/trainer_step.py --ablation $model --rows ${PROFILE_ROWS:-0,7} \
+        --profile /tmp/prof-$model
+      for trace in /tmp/prof-$model/row-*/rank-00000/*.json; do row=$(basename "$(dirname "$(dirname "$trace")")")
+        python3 bench/trace_summary.py "$trace" --top 20 > "$out/summary-$model-$row.txt"
+        echo "== $model $row"; sed -n '1,4p;/by family/,/^$/p' "$out/summary-$model-$row.txt"; done; done ;;
   losscurve)  # 200 steps of the baseline and the "all" row (LOSS_ROW=index), max relative loss-curve deviation
     for model in ${LOSS_MODELS:-dense}; do
       run 0 ${LOSS_SECONDS:-290} losscurve.log bench/loss_curve.py --model $model --fast ${LOSS_ROW:-6}; done ;;

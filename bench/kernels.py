@@ -11,6 +11,7 @@ allocates above its inputs.
 
     python bench/kernels.py --json kernels.json               # anchor shapes on the current GPU (~3 minutes)
     python bench/kernels.py --only rms_norm,grouped_mm        # a subset
+    python bench/kernels.py --only "stochastic adamw"         # the optimizer step rows (one tensor; whole model)
     python bench/kernels.py --tiny --json /tmp/k.json         # seconds on CPU: Triton's interpreter, tiny shapes
 """
 
@@ -277,13 +278,11 @@ def cases(s: Shapes, device: torch.device, compile_backend: str) -> list[Case]:
         pass
     add("grouped_gemm", f"E={s.experts} {rows}x{h}->{s.expert_ffn}", impls, 6 * rows * h * s.expert_ffn, "TFLOP/s")
 
-    # Stochastic-rounding AdamW step (bf16 params and grads, float32 moments).
+    # Stochastic-rounding AdamW step (bf16 params and grads, float32 moments), one tensor: the per-tensor kernel.
     from d9d.core.optim import StochasticAdamW
-    from d9d.core.optim import fused_step as fused_step_module
     from d9d.kernels.adamw import register_triton_stochastic_adamw
 
-    register_triton_stochastic_adamw()
-    del fused_step_module
+    register_triton_stochastic_adamw(multi_tensor=False)
     step_impls = {}
     for name, fused in (("eager", False), ("triton", True)):
         param = torch.nn.Parameter(torch.randn(s.adamw_elements, device=device).to(torch.bfloat16))
@@ -291,7 +290,46 @@ def cases(s: Shapes, device: torch.device, compile_backend: str) -> list[Case]:
         optimizer = StochasticAdamW([param], fused=fused, lr=1e-4)
         step_impls[name] = optimizer.step
     add("stochastic adamw step", f"{s.adamw_elements} bf16 params", step_impls, 22 * s.adamw_elements, "GB/s")
+    out.extend(model_adamw_cases(s, device))
     return out
+
+
+def model_adamw_cases(s: Shapes, device: torch.device) -> list[Case]:
+    """The optimizer step over a whole model's parameters (the dense anchor's 311 tensors; tiny: its tiny shape).
+
+    Timed as wall time with a device sync after each step, so the host time of a per-parameter Python loop counts:
+    with hundreds of parameters it exceeds the update's device time, and the device idles. Rows: torch's fused
+    AdamW on float32 parameters (the Trainer's float32-master-weights path), the Triton step per parameter and the
+    multi-tensor Triton step (one launch per bucket) on bfloat16 parameters, and the multi-tensor step on float32.
+    Bytes: bf16 params and grads with float32 moments move 22 B per element (read 12, write 10), float32 ones 28.
+    """
+    from anchor_models import DENSE, parameter_shapes, tiny
+    from d9d.core.optim import StochasticAdamW
+    from d9d.kernels.adamw import register_triton_stochastic_adamw
+
+    shapes = parameter_shapes(DENSE if s == ANCHOR else tiny(DENSE))
+    elements = sum(torch.Size(shape).numel() for shape in shapes)
+    label = f"{len(shapes)} tensors, {elements / 1e6:,.1f}M params"
+    kernel = "stochastic adamw step (multi-tensor)"
+
+    def model(dtype: torch.dtype) -> list[torch.nn.Parameter]:
+        params = [torch.nn.Parameter(torch.randn(shape, device=device).to(dtype)) for shape in shapes]
+        for param in params:
+            param.grad = torch.randn_like(param)
+        return params
+
+    def stochastic(params: list[torch.nn.Parameter], *, multi_tensor: bool) -> Callable[[], Any]:
+        register_triton_stochastic_adamw(multi_tensor=multi_tensor)  # read when the optimizer is built
+        return StochasticAdamW(params, fused=True, lr=1e-4).step
+
+    bf16, fp32 = model(torch.bfloat16), model(torch.float32)  # each shared by the rows of its dtype
+    implementations = [
+        ("torch AdamW fused (fp32 params)", torch.optim.AdamW(fp32, lr=1e-4, fused=True).step, 28 * elements),
+        ("triton per-tensor (bf16 params)", stochastic(bf16, multi_tensor=False), 22 * elements),
+        ("triton multi-tensor (bf16 params)", stochastic(bf16, multi_tensor=True), 22 * elements),
+        ("triton multi-tensor (fp32 params)", stochastic(fp32, multi_tensor=True), 28 * elements),
+    ]
+    return [(kernel, name, label, run, float(work), "GB/s") for name, run, work in implementations]
 
 
 def main(argv: list[str] | None = None) -> int:

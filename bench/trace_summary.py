@@ -64,9 +64,7 @@ def summarise(trace: dict[str, Any], *, top: int, gap_us: float) -> str:
         for event in events
         if event.get("name", "").startswith("ProfilerStep#")
     )
-    device = [
-        event for event in events if event.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
-    ]
+    device = [event for event in events if event.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     host = [event for event in events if event.get("cat") in ("cpu_op", "user_annotation", "python_function")]
     lines: list[str] = []
     by_family: dict[str, float] = defaultdict(float)
@@ -92,7 +90,9 @@ def summarise(trace: dict[str, Any], *, top: int, gap_us: float) -> str:
                 {
                     h["name"][:60]
                     for h in host
-                    if h["ts"] < gap_stop and h["ts"] + h["dur"] > gap_start and h["dur"] >= 0.5 * (gap_stop - gap_start)
+                    if h["ts"] < gap_stop
+                    and h["ts"] + h["dur"] > gap_start
+                    and h["dur"] >= 0.5 * (gap_stop - gap_start)
                 }
             )
             lines.append(

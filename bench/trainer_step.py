@@ -37,8 +37,8 @@ import argparse
 import gc
 import statistics
 import time
-from pathlib import Path
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -51,11 +51,11 @@ from anchor_models import tiny as _tiny
 from d9d.core.dist import DistributedContext, MeshDegrees
 from d9d.core.dist.domains import MeshDomain
 from d9d.core.loop import (
-    ProfilingConfig,
     BuiltModel,
     EventBus,
     LossResult,
     ModelLoader,
+    ProfilingConfig,
     StepFinished,
     SyntheticTokenSource,
     TokenBatch,
@@ -120,6 +120,7 @@ ABLATION = [
     ALL,
     replace(ALL, name="all, eager kernels but the Triton loss (Inductor fuses the rest)", kernels="loss"),
     replace(ALL, name="all + bf16 grads and Adam moments", grad_dtype="bfloat16", state_dtype="bfloat16"),
+    replace(ALL, name="row 7 + bf16 gradients (float32 Adam moments)", kernels="loss", grad_dtype="bfloat16"),
 ]
 
 

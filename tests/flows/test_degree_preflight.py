@@ -88,6 +88,12 @@ def test_pp_with_more_stages_than_layers(capsys, tmp_path):
     assert "num_layers=2 (+0 virtual) cannot fill 6 stages" in err
 
 
+def test_whole_model_compilation_under_pipeline_parallelism(capsys, tmp_path):
+    err = _error(capsys, tmp_path, "pretrain", "pretrain.degrees.pp=2", "pretrain.model.decoder.compile_model=true")
+    assert "pretrain.model.decoder.compile_model=true with pretrain.degrees.pp=2" in err
+    assert "compile_layers=true instead" in err
+
+
 def test_pp_with_too_few_microbatches_for_the_schedule(capsys, tmp_path):
     err = _error(
         capsys, tmp_path, "pretrain", "pretrain.degrees.pp=2", "pretrain.global_batch_rows=4",

@@ -140,6 +140,45 @@ def test_stochastic_adamw_step_matches_the_reference_within_one_ulp():
     assert torch.all((fused.detach().float() - plain.detach().float()).abs() <= ulp * 1.0001)
 
 
+# The dense anchor's kinds of parameters (embedding, attention and FFN projections, norms), plus an empty tensor, one
+# element, and a size that is not a multiple of 16 (its bucket takes the kernel's unvectorised path).
+_ADAMW_SHAPES = [(151936, 1024), (2048, 1024), (1024, 2048), (3072, 1024), (1024, 3072), (1024,), (128,), (0,), (1,)]
+
+
+@pytest.mark.parametrize("layout", ["aligned", "odd-size", "odd-address"])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32-moments", "bf16-moments"])
+def test_multi_tensor_adamw_step_gives_the_per_tensor_bits(layout, state_dtype):
+    from d9d.core.optim import AdamWStepParameters
+    from d9d.kernels.adamw import triton_stochastic_adamw_multi_step, triton_stochastic_adamw_step
+
+    shapes = _ADAMW_SHAPES + ([(1000, 77)] if layout == "odd-size" else [])
+
+    def slots(seed):
+        out = []
+        for number, shape in enumerate(shapes):
+            param, grad = _bf16(*shape, seed=seed + 4 * number), _bf16(*shape, seed=seed + 4 * number + 1)
+            exp_avg = (0.1 * _bf16(*shape, seed=seed + 4 * number + 2)).to(state_dtype)
+            exp_avg_sq = _bf16(*shape, seed=seed + 4 * number + 3).square().to(state_dtype)
+            if layout == "odd-address":  # a view one element into its buffer: not 16-byte aligned
+                param = torch.cat([param.new_zeros(1), param.flatten()])[1:].view(shape)
+            out.append([param, grad, exp_avg, exp_avg_sq])
+        return out
+
+    per_tensor, multi = slots(0), slots(0)
+    for step in (1, 2):
+        hyper = AdamWStepParameters(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=step)
+        seeds = [(2**62 + 3 * i + step, 2**40 * i + step, 7 * i + 100 * step) for i in range(len(shapes))]
+        for tensors, triple in zip(per_tensor, seeds, strict=True):
+            triton_stochastic_adamw_step(*tensors, hyper=hyper, seeds=triple)
+        triton_stochastic_adamw_multi_step(
+            *(list(column) for column in zip(*multi, strict=True)), hyper=hyper, seeds=seeds
+        )
+    for shape, want, got in zip(shapes, per_tensor, multi, strict=True):
+        for name, w, g in zip(("param", "grad", "exp_avg", "exp_avg_sq"), want, got, strict=True):
+            bits = torch.int16 if w.dtype == torch.bfloat16 else torch.int32
+            assert torch.equal(g.contiguous().view(bits), w.contiguous().view(bits)), f"{name} {shape} differs"
+
+
 def test_inductor_compiles_a_block_through_the_custom_ops():
     from d9d.kernels.rms_norm import TritonRmsNorm
     from d9d.kernels.swiglu import TritonSwiGlu

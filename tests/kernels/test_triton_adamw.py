@@ -15,6 +15,7 @@ HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 @pytest.fixture(autouse=True)
 def _registered(monkeypatch):
     monkeypatch.setattr(fused_step_module, "_registered", [])
+    monkeypatch.setattr(fused_step_module, "_registered_multi", [])
     register_triton_stochastic_adamw()
 
 

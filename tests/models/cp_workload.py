@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+import packed_batches
 from d9d.core.determinism import seed_everything
 from d9d.core.dist import DistributedContext
 from d9d.core.dist.domains import MeshDomain
@@ -94,20 +95,7 @@ def spread_routers(model: nn.Module, std: float | None) -> None:
 
 
 def packed_global_batch(step: int, rows: int, seq: int = SEQ) -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(1000 + step)
-    tokens = torch.randint(0, VOCAB, (rows, seq), generator=generator)
-    documents = []
-    for _ in range(rows):
-        lengths: list[int] = []
-        while sum(lengths) < seq:
-            lengths.append(int(torch.randint(2, seq // 2 + 2, (1,), generator=generator)))
-        documents.append(torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[:seq])
-    document_ids = torch.stack(documents)
-    labels = torch.full_like(tokens, -100)
-    same = document_ids[:, 1:] == document_ids[:, :-1]
-    labels[:, :-1] = torch.where(same, tokens[:, 1:], -100)
-    labels[torch.rand(labels.shape, generator=generator) < 0.2] = -100
-    return {"input_ids": tokens, "labels": labels, "document_ids": document_ids}
+    return packed_batches.packed_global_batch(step, rows=rows, seq=seq, vocab=VOCAB, seed=1000)
 
 
 class PackedTask:

@@ -81,3 +81,34 @@ def test_an_unknown_kind_is_refused_naming_the_valid_ones(tmp_path):
     (tmp_path / "parameters.json").write_text(json.dumps({**DENSE, "kind": "llama"}))
     with pytest.raises(ValueError, match=r"kind='llama'.*valid: qwen3_dense, qwen3_moe"):
         read_parameters(tmp_path)
+
+
+def test_compile_model_compiles_the_whole_single_device_model_with_the_eager_losses_and_gradients():
+    from d9d.parallel import SingleDeviceConfig
+
+    ctx = DistributedContext.build(MeshDegrees(), device="cpu")
+    eager_config = Qwen3DenseModelConfig.model_validate({"parameters": DENSE, "decoder": EAGER})
+    compiled_config = Qwen3DenseModelConfig.model_validate(
+        {"parameters": DENSE, "decoder": {**EAGER, "compile_model": True, "compile_backend": "aot_eager"}}
+    )
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    results = []
+    for config in (eager_config, compiled_config):
+        torch.manual_seed(0)  # the same initial weights
+        model = build_model(config, ctx, SingleDeviceConfig(mixed_precision={"param_dtype": "float32"})).model
+        loss = model(ids, labels=ids).losses.sum()
+        loss.backward()
+        results.append((model, loss.detach(), {name: p.grad for name, p in model.named_parameters()}))
+    (eager, eager_loss, eager_grads), (compiled, compiled_loss, compiled_grads) = results
+    assert getattr(compiled, "d9d_compiled", False) and not getattr(eager, "d9d_compiled", False)
+    # aot_eager runs the same float32 ATen ops, regrouped: equal up to summation order.
+    torch.testing.assert_close(compiled_loss, eager_loss, atol=1e-5, rtol=1e-5)
+    for name, grad in eager_grads.items():
+        torch.testing.assert_close(compiled_grads[name], grad, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_compile_model_and_compile_layers_together_are_refused_naming_both():
+    with pytest.raises(ValueError, match="compile_layers=True and compile_model=True"):
+        Qwen3DenseModelConfig.model_validate(
+            {"parameters": DENSE, "decoder": {**EAGER, "compile_model": True, "compile_layers": True}}
+        )

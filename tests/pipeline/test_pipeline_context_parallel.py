@@ -52,6 +52,7 @@ from test_pipeline_parity import SCHEDULES
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+import packed_batches
 from d9d.core.dist import DistributedContext, MeshDegrees
 from d9d.core.dist.domains import MeshDomain
 from d9d.core.loop import BuiltModel, EventBus, StepFinished, TrainerConfig, build_trainer
@@ -73,21 +74,7 @@ NORM_RTOL = {"dense": 1e-5, "moe_z_loss": 5e-5}
 
 
 def packed_global_batch(step: int, rows: int = ROWS) -> dict[str, torch.Tensor]:
-    """Rows of random tokens packed with documents of random lengths; labels shifted within documents."""
-    generator = torch.Generator().manual_seed(2000 + step)
-    tokens = torch.randint(0, VOCAB, (rows, SEQ), generator=generator)
-    documents = []
-    for _ in range(rows):
-        lengths: list[int] = []
-        while sum(lengths) < SEQ:
-            lengths.append(int(torch.randint(2, SEQ // 2 + 2, (1,), generator=generator)))
-        documents.append(torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[:SEQ])
-    document_ids = torch.stack(documents)
-    labels = torch.full_like(tokens, -100)
-    same = document_ids[:, 1:] == document_ids[:, :-1]
-    labels[:, :-1] = torch.where(same, tokens[:, 1:], -100)
-    labels[torch.rand(labels.shape, generator=generator) < 0.2] = -100
-    return {"input_ids": tokens, "labels": labels, "document_ids": document_ids}
+    return packed_batches.packed_global_batch(step, rows=rows, seq=SEQ, vocab=VOCAB, seed=2000)
 
 
 class PackedRows:

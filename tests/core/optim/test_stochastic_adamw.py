@@ -147,6 +147,32 @@ def test_the_state_dict_carries_the_rng_so_a_resumed_run_is_identical():
     assert state["rng"] == {"seed": 4, "counter": 0}
 
 
+def test_loading_a_state_dict_keeps_float32_moments_of_bf16_parameters():
+    """`Optimizer.load_state_dict` casts floating state to the parameter's dtype; the moments must stay float32."""
+    param = _bf16_param(torch.linspace(-1, 1, 100))
+    optimizer = StochasticAdamW([param], **HYPER)
+    param.grad = _grads(1, 100)[0]
+    optimizer.step()
+    saved = optimizer.state_dict()
+    resumed = StochasticAdamW([param], **HYPER)
+    resumed.load_state_dict(saved)
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert resumed.state[param][key].dtype == torch.float32
+        assert torch.equal(resumed.state[param][key], saved["state"][0][key])
+
+
+def test_the_step_count_lives_in_the_state_and_a_replaced_step_tensor_is_read_again():
+    param = _bf16_param(torch.linspace(-1, 1, 8))
+    optimizer = StochasticAdamW([param], **HYPER)
+    for grad in _grads(3, 8):
+        param.grad = grad
+        optimizer.step()
+    assert optimizer.state[param]["step"].item() == 3  # kept up to date for checkpoints, though counted in Python
+    optimizer.state[param]["step"] = torch.tensor(10.0)
+    optimizer.step()
+    assert optimizer.state[param]["step"].item() == 11
+
+
 @pytest.mark.distributed(world_size=4)
 def test_dtensor_parameters_update_locally_and_replicas_stay_identical():
     mesh = DistributedContext.build(MeshDegrees(dp_replicate=2, dp_shard=2)).mesh_for(MeshDomain.DENSE)

@@ -50,6 +50,11 @@ def check_topology(
             raise PreflightError(f"{section}.degrees.cp={degrees.cp} does not fit seq_len={seq_len}: {error}") from None
     if degrees.ep > 1:
         _check_experts(section, model, degrees)
+    if degrees.pp > 1 and model.decoder.compile_model:
+        raise PreflightError(
+            f"{section}.model.decoder.compile_model=true with {section}.degrees.pp={degrees.pp}: a pipeline's split "
+            f"backward needs each layer's autograd graph; set {section}.model.decoder.compile_layers=true instead"
+        )
     if degrees.pp > 1 and microbatches_per_step is not None:
         _check_pipeline(section, topology, model, degrees, microbatches_per_step)
     return degrees

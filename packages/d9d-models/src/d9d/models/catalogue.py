@@ -21,6 +21,7 @@ from torch import nn
 
 from d9d.core.dist import DistributedContext
 from d9d.core.loop import BuiltModel, EventSubscriber, ModelLoader
+from d9d.models.blocks.compilation import compile_model
 from d9d.models.blocks.late_init import materialize_
 from d9d.models.blocks.moe import aux_loss_weights, moe_bias_balancer
 from d9d.models.config import DecoderConfig
@@ -133,6 +134,8 @@ class _StageBuilder:
             self.prepare(model)
         sync = parallelize(model, ctx, self.data_parallel, tensor_parallel=self.tensor_parallel, context=self.context)
         materialize_(model, ctx.device)
+        if config.decoder.compile_model:
+            compile_model(model, backend=config.decoder.compile_backend)
         return model, sync
 
     def subscribers(self, model: nn.Module) -> tuple[EventSubscriber, ...]:
@@ -144,6 +147,11 @@ class _StageBuilder:
 
     def pipelined(self, pipeline: PipelineConfig, num_microbatches: int, loader: ModelLoader | None) -> BuiltModel:
         """This rank's stages, their merged view and the pipeline schedule over them."""
+        if self.config.decoder.compile_model:
+            raise ValueError(
+                f"decoder.compile_model=True with pp={self.ctx.degrees.pp}: a pipeline's split backward needs each "
+                "layer's autograd graph; use decoder.compile_layers=True (regional compilation) instead"
+            )
         syncs: list[GradientSync] = []
 
         def build_stage(stage: PipelineStage) -> nn.Module:

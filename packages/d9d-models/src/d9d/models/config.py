@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from d9d.kernels.attention import AnyAttentionConfig
 from d9d.kernels.expert_dispatch import AnyExpertDispatchConfig
@@ -25,6 +25,9 @@ class DecoderConfig(BaseModel):
     `activation_checkpointing`: `True` for every layer, or the global indices of the layers to checkpoint;
     `checkpoint_policy`: `full` (recompute the whole layer) or `selective` (keep matmul and attention outputs).
     `compile_layers`: compile each decoder layer's forward (`compile_backend`, regional compilation; FSDP2-safe).
+    `compile_model`: compile the whole model's forward as one graph instead (`build_model` applies it after
+    parallelising; fastest with `SingleDeviceConfig`, where no FSDP hook breaks the graph; not with `compile_layers`,
+    nor with pipeline parallelism, whose split backward needs the per-layer autograd graph).
     `loss_chunk_size`: tokens per chunk of the LM loss (bounds the logits held at once).
     `expert_dispatch`: the token exchange of expert parallelism (`None`: `D9D_BACKEND_AUTO_EXPERT_DISPATCH`, else
     detected); used only when the plan has `ep > 1`.
@@ -44,10 +47,20 @@ class DecoderConfig(BaseModel):
     activation_checkpointing: bool | list[int] = False
     checkpoint_policy: Literal["full", "selective"] = "full"
     compile_layers: bool = False
+    compile_model: bool = False
     compile_backend: str = "inductor"
     loss_chunk_size: int = Field(default=2048, gt=0)
     expert_dispatch: AnyExpertDispatchConfig | None = None
     moe_capacity_factor: float | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _one_compilation(self) -> DecoderConfig:
+        if self.compile_layers and self.compile_model:
+            raise ValueError(
+                "compile_layers=True and compile_model=True: choose one (regional compilation of every layer, or one "
+                "graph of the whole model)"
+            )
+        return self
 
     def checkpoints_layer(self, index: int) -> bool:
         if isinstance(self.activation_checkpointing, bool):

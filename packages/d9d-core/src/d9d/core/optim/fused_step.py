@@ -1,12 +1,20 @@
-"""The extension point for a fused `StochasticAdamW` update: core defines the contract, a kernel package fills it.
+"""The extension points for a fused `StochasticAdamW` update: core defines the contracts, a kernel package fills them.
 
-`StochasticAdamW(fused=True)` hands each parameter's local tensors to the registered `FusedStochasticAdamWStep`
-instead of running its own PyTorch ops. Core names no kernel: whoever provides one calls
-`register_fused_stochastic_adamw_step(step)` (typically at program wiring time).
+`StochasticAdamW(fused=True)` hands the local tensors of its parameters to a registered kernel instead of running its
+own PyTorch ops. Two contracts:
+
+- `FusedStochasticAdamWStep` updates one parameter per call (required for `fused=True`);
+- `FusedStochasticAdamWMultiStep` updates a whole bucket of parameters per call (optional): the parameters of one
+  group that share dtypes, device and step count, so one kernel launch replaces a Python loop of launches whose host
+  time (hundreds of parameters) otherwise exceeds the update's device time.
+
+Both must give the same bits for the same seeds, so a run may switch between them. Core names no kernel: whoever
+provides one calls the `register_*` functions (typically at program wiring time).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -42,12 +50,37 @@ class FusedStochasticAdamWStep(Protocol):
         ...
 
 
+class FusedStochasticAdamWMultiStep(Protocol):
+    def __call__(
+        self,
+        params: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor],
+        exp_avgs: Sequence[torch.Tensor],
+        exp_avg_sqs: Sequence[torch.Tensor],
+        *,
+        hyper: AdamWStepParameters,
+        seeds: Sequence[tuple[int, int, int]],
+    ) -> None:
+        """Apply `FusedStochasticAdamWStep` to every `(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i])` with
+        `seeds[i]`, giving the same bits as one call per tensor would. The bucket shares `hyper` (the group's
+        hyperparameters and one step count); within each list every tensor has one dtype and one device, and both
+        moment lists share a dtype. Tensors are local, contiguous, and may be empty."""
+        ...
+
+
 _registered: list[FusedStochasticAdamWStep] = []
+_registered_multi: list[FusedStochasticAdamWMultiStep] = []
 
 
 def register_fused_stochastic_adamw_step(step: FusedStochasticAdamWStep) -> None:
     """Make `step` the update of every `StochasticAdamW(fused=True)` (replaces an earlier registration)."""
     _registered[:] = [step]
+
+
+def register_fused_stochastic_adamw_multi_step(step: FusedStochasticAdamWMultiStep | None) -> None:
+    """Make `step` the bucketed update of every `StochasticAdamW(fused=True)` built afterwards (replaces an earlier
+    registration; None removes it, and the optimizer calls the per-parameter step in a loop)."""
+    _registered_multi[:] = [] if step is None else [step]
 
 
 def registered_fused_stochastic_adamw_step() -> FusedStochasticAdamWStep:
@@ -59,3 +92,8 @@ def registered_fused_stochastic_adamw_step() -> FusedStochasticAdamWStep:
             "or use fused=False"
         )
     return _registered[0]
+
+
+def registered_fused_stochastic_adamw_multi_step() -> FusedStochasticAdamWMultiStep | None:
+    """The registered multi-tensor step, or None (optional: the per-parameter step covers every case)."""
+    return _registered_multi[0] if _registered_multi else None
