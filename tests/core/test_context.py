@@ -159,3 +159,38 @@ def test_collective_timeout_is_configurable():
     with pytest.raises(RankFailure, match="rank 1 raised"):
         run_on_ranks(2, body, init_process_group=False, timeout_seconds=30)
     assert time.perf_counter() - start < 20
+
+
+def test_a_world_of_one_has_no_control_group():
+    def body():
+        _clear_launch_env()
+        with DistributedContext.build() as ctx:
+            return ctx.control_group is None
+
+    assert run_on_ranks(1, body, init_process_group=False) == [True]
+
+
+@pytest.mark.distributed(world_size=2)
+def test_the_control_group_all_reduces_cpu_tensors_over_every_rank():
+    ctx = DistributedContext.build(MeshDegrees(dp_shard=2))
+    group = ctx.control_group
+    assert group is not None
+    assert group.size() == 2
+    assert group == dist.group.WORLD  # the harness's gloo default group already moves CPU tensors: no new group
+    flag = torch.tensor([ctx.rank + 1], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    assert flag.item() == 2
+
+
+@pytest.mark.distributed(world_size=2)
+def test_a_default_group_without_gloo_gets_a_gloo_control_group():
+    # What a launcher's plain `nccl` default group gets; built here over the harness's gloo world (no NCCL on a CPU).
+    from d9d.core.dist.context import _host_control_group
+
+    group = _host_control_group("nccl", timedelta(seconds=30))
+    assert group != dist.group.WORLD
+    assert dist.get_backend(group) == "gloo"
+    assert group.size() == 2
+    value = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(value, group=group)
+    assert value.item() == 1.0

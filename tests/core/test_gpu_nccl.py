@@ -56,3 +56,33 @@ def test_cuda_sharded_init_equals_single_device_init():
             return bool(torch.equal(full, reference))
 
     assert run_on_ranks(world, body, init_process_group=False, timeout_seconds=120) == [True] * world
+
+
+def test_preemption_agreement_never_synchronises_the_gpu():
+    """SIGTERM on the last rank alone is agreed by every rank over the control group (gloo beside NCCL), with CUDA's
+    sync debug mode set to raise: the agreement reads no device tensor (the old one `.item()`-ed a CUDA flag)."""
+    import signal
+
+    from d9d.core.loop.preemption import PreemptionFlag
+
+    world = _gpu_world()
+
+    def body():
+        os.environ["D9D_DEVICE"] = "cuda"
+        with DistributedContext.build(MeshDegrees(dp_shard=-1)) as ctx:
+            torch.ones(1, device=ctx.device)  # CUDA initialised, so the debug mode has something to watch
+            flag = PreemptionFlag()
+            flag.install()
+            try:
+                torch.cuda.set_sync_debug_mode("error")
+                before = flag.agreed(ctx.control_group)
+                if ctx.rank == ctx.world_size - 1:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                after = flag.agreed(ctx.control_group)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+                flag.uninstall()
+            return before, after, ctx.control_group is None
+
+    results = run_on_ranks(world, body, init_process_group=False, timeout_seconds=120)
+    assert results == [(False, True, world == 1)] * world

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from dp_workloads import GLOBAL_BATCH, UNITS, loss_sum, make_batches, make_model
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from d9d.core.dist import DistributedContext, MeshDegrees, MeshDomain
 from d9d.parallel import (
@@ -155,3 +156,60 @@ def test_norm_counts_expert_parallel_params_fsdp_sharded_again_once():
     for norm_type in NORM_TYPES:
         expected = torch.linalg.vector_norm(full, norm_type)
         torch.testing.assert_close(total_grad_norm([experts.weight], norm_type), expected, rtol=1e-6, atol=0)
+
+
+class _CountNormKernels(TorchDispatchMode):
+    """Counts the norm ops that reach ATen (a mode sees the top-level calls, not the ops a kernel calls inside)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if "norm" in name:
+            self.calls[name] = self.calls.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _mixed_gradients():
+    """50 float32 and 30 bfloat16 gradients of different sizes, and an empty one (an FSDP rank's padding shard)."""
+    generator = torch.Generator().manual_seed(3)
+    params = []
+    for index in range(81):
+        dtype = torch.bfloat16 if index % 8 in (1, 4, 6) and index != 80 else torch.float32
+        size = 0 if index == 80 else 1 + (index * 37) % 300
+        param = nn.Parameter(torch.zeros(size, dtype=dtype))
+        param.grad = (torch.randn(size, generator=generator) * (1 + index % 5)).to(dtype)
+        params.append(param)
+    assert {p.grad.dtype for p in params} == {torch.float32, torch.bfloat16}
+    return params
+
+
+@pytest.mark.parametrize("norm_type", NORM_TYPES)
+def test_norm_takes_one_foreach_norm_per_dtype_with_the_per_tensor_result(norm_type):
+    params = _mixed_gradients()
+    with _CountNormKernels() as counted:
+        norm = total_grad_norm(params, norm_type)
+    assert counted.calls == {"_foreach_norm": 2}, counted.calls  # one per dtype, no per-parameter reduction
+    assert norm.dtype == torch.float32
+    # The per-tensor float32 norms this replaces (float32 accumulation of bf16 values too): same value up to the
+    # order of float32 summation.
+    nonempty = [p.grad for p in params if p.grad.numel() > 0]
+    per_tensor = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in nonempty])
+    expected = per_tensor.max() if math.isinf(norm_type) else per_tensor.pow(norm_type).sum().pow(1 / norm_type)
+    torch.testing.assert_close(norm, expected, rtol=1e-6, atol=0)
+    # Against the exact norm (float64 over the same bf16/fp32 values): float32 accumulation keeps ~1e-7 relative
+    # error; a bf16 accumulation would be off by ~1e-3.
+    exact = torch.linalg.vector_norm(torch.cat([p.grad.double() for p in params]), norm_type)
+    torch.testing.assert_close(norm.double(), exact, rtol=1e-6, atol=0)
+
+
+def test_clip_scales_every_dtype_group_by_the_same_coefficient():
+    params = _mixed_gradients()
+    before = [p.grad.clone() for p in params]
+    norm = clip_grad_norm_(params, max_norm=1.0)
+    coefficient = 1.0 / (norm.item() + 1e-6)
+    for param, grad in zip(params, before, strict=True):
+        torch.testing.assert_close(param.grad, (grad.float() * coefficient).to(grad.dtype))
+    assert total_grad_norm(params).item() == pytest.approx(1.0, rel=1e-2)  # bf16 rounding of the scaled values

@@ -7,6 +7,12 @@ gradient is `Shard`ed: there the ranks hold disjoint pieces. Over `Replicate` di
 values, so they are not reduced, and each element is counted once. Parameters are grouped by (mesh, shard
 dimensions), one all-reduce per group and shard dimension; the group totals are then added, and finally summed
 over `across` (the pipeline stages, which own disjoint parameters). The infinity norm uses max instead of sum.
+
+A group's local sum takes one `torch._foreach_norm` per (device, dtype) of its gradients (a few multi-tensor
+kernels instead of one reduction per parameter: 311 at the dense anchor), asked for float32 results, which makes it
+accumulate in float32 whatever the gradients' dtype, as `vector_norm(..., dtype=torch.float32)` did per tensor. The
+per-tensor norms are then raised to p and summed in float32. Everything runs under `no_grad`, where a DTensor's
+`to_local()` is an attribute read rather than an autograd call.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 _GroupKey = tuple[DeviceMesh | None, tuple[int, ...]]
 
 
+@torch.no_grad()
 def total_grad_norm(
     parameters: Iterable[torch.Tensor], norm_type: float = 2.0, *, across: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
@@ -59,6 +66,7 @@ def total_grad_norm(
     return total if is_inf else total.pow(1.0 / norm_type)
 
 
+@torch.no_grad()
 def clip_grad_norm_(
     parameters: Iterable[torch.Tensor],
     max_norm: float,
@@ -106,11 +114,24 @@ def _is_split(placement: Placement) -> bool:
 
 
 def _local_power_sum(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-    # A rank may hold an empty shard (FSDP pads uneven dimensions); it contributes nothing.
-    norms = torch.stack(
-        [torch.linalg.vector_norm(grad, norm_type, dtype=torch.float32) for grad in grads if grad.numel() > 0]
-        or [torch.zeros((), dtype=torch.float32, device=grads[0].device)]
-    )
+    """This rank's sum of |g|^p over `grads` (max |g| for the infinity norm), in float32 on `grads[0]`'s device."""
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for grad in grads:
+        if grad.numel() > 0:  # a rank may hold an empty shard (FSDP pads uneven dimensions); it contributes nothing
+            by_kind.setdefault((grad.device, grad.dtype), []).append(grad)
+    device = grads[0].device
+    partials = [_power_sum(same, norm_type).to(device) for same in by_kind.values()]
+    if not partials:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    if len(partials) == 1:
+        return partials[0]
+    stacked = torch.stack(partials)
+    return stacked.max() if math.isinf(norm_type) else stacked.sum()
+
+
+def _power_sum(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    # dtype=float32: the foreach kernel accumulates in float32 and returns float32 norms, also for bf16 gradients.
+    norms = torch.stack(torch._foreach_norm(grads, norm_type, dtype=torch.float32))
     if math.isinf(norm_type):
         return norms.max()
     return norms.pow(norm_type).sum()

@@ -41,6 +41,7 @@ class DistributedContext:
         layouts: dict[MeshDomain, DomainLayout],
         meshes: dict[MeshDomain, DeviceMesh],
         owns_process_group: bool,
+        control_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.degrees = degrees
         self.launch = launch
@@ -48,6 +49,7 @@ class DistributedContext:
         self._layouts = layouts
         self._meshes = meshes
         self._owns_process_group = owns_process_group
+        self._control_group = control_group
         self._local_group: dist.ProcessGroup | None = None
         self.logger: RankLoggerAdapter = build_rank_logger(self.rank, self.coordinate(MeshDomain.REGULAR))
 
@@ -100,6 +102,8 @@ class DistributedContext:
             domain: DeviceMesh(device_type, layout.ranks, mesh_dim_names=layout.dim_names)
             for domain, layout in layouts.items()
         }
+        # Group creation is collective: every rank makes it here, after the meshes, in the same order.
+        control_group = _host_control_group(str(dist.get_backend()), timeout) if launch.world_size > 1 else None
         return cls(
             degrees=resolved,
             launch=launch,
@@ -107,6 +111,7 @@ class DistributedContext:
             layouts=layouts,
             meshes=meshes,
             owns_process_group=owns_process_group,
+            control_group=control_group,
         )
 
     # Topology -------------------------------------------------------------------------------------------------
@@ -157,6 +162,14 @@ class DistributedContext:
         """This rank's coordinate in `domain`, by dimension name."""
         layout = self._layouts[MeshDomain(domain)]
         return dict(zip(layout.dim_names, layout.coordinate_of(self.rank), strict=True))
+
+    @property
+    def control_group(self) -> dist.ProcessGroup | None:
+        """A group of every rank that all-reduces *CPU* tensors (gloo), for host-side control flags such as the
+        loop's preemption agreement: a collective over it never waits for the accelerator's queue, where one over
+        NCCL needs a device tensor and a device-to-host copy that waits for every kernel queued before it. `None` in
+        a world of one (nothing to agree with)."""
+        return self._control_group
 
     # Synchronisation -------------------------------------------------------------------------------------------
 
@@ -211,6 +224,18 @@ class DistributedContext:
 
     def __repr__(self) -> str:
         return f"DistributedContext(rank={self.rank}, world_size={self.world_size}, {self.degrees.describe()})"
+
+
+def _host_control_group(default_backend: str, timeout: timedelta) -> dist.ProcessGroup:
+    """The default group when it moves CPU tensors itself (gloo, or the `cpu:gloo,cuda:nccl` pair this context
+    initialises), else a new gloo group over every rank (a launcher's plain `nccl` group). Collective."""
+    if "gloo" in default_backend:
+        world = dist.group.WORLD
+        assert world is not None
+        return world
+    group = dist.new_group(backend="gloo", timeout=timeout)
+    assert isinstance(group, dist.ProcessGroup)  # typed loosely in torch; every rank is in this one
+    return group
 
 
 def _init_default_group(launch: LaunchEnvironment, device_type: Literal["cpu", "cuda"], timeout: timedelta) -> None:
