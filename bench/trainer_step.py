@@ -169,7 +169,7 @@ ABLATION = [
         kernels="loss",
         loss_chunk=4096,
         grad_dtype="bfloat16",
-    ),  # fmt: skip
+    ),
 ]
 
 
