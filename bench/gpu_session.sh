@@ -20,6 +20,9 @@
 #   losscurve: bench/loss_curve.py, 200 steps of the baseline vs the combined configuration
 #   hostwork : bench/step_host_overhead.py on one GPU (single, fsdp, replicate), each after its baseline when
 #              HOSTWORK_BASELINE names a folder holding an older `packages/` tree; then this change's GPU tests
+#   fusedloss: the fused loss with gradients in forward (design 0023): kernel rows at chunks 2048 and 4096, its
+#              GPU tests, then dense ablation rows 7 (in forward), 13 (recomputed in backward: the old path), 14
+#              (chunk 4096)
 #   deepep   : build DeepEP in the background (its own session, so it outlives the call), then test it
 set -u
 out=${OUT:-/tmp/d9d-gpu}; mkdir -p "$out"
@@ -134,6 +137,12 @@ for part in "$@"; do case $part in
       for trace in /tmp/prof-$model/row-*/rank-00000/*.json; do row=$(basename "$(dirname "$(dirname "$trace")")")
         python3 bench/trace_summary.py "$trace" --top 20 > "$out/summary-$model-$row.txt"
         echo "== $model $row"; sed -n '1,4p;/by family/,/^$/p' "$out/summary-$model-$row.txt"; done; done ;;
+  fusedloss)
+    timeout 130 python3 bench/kernels.py --only linear --loss-chunks 2048,4096 2>&1 | tee "$out/fusedloss-kernels.log" \
+      | grep -E "^[|#]"
+    timeout 140 python3 -m pytest -q -s -p no:cacheprovider -rfE --tb=short -m gpu tests/kernels/test_gpu_triton.py \
+      -k "cross_entropy or accumulation" 2>&1 | tee "$out/fusedloss-tests.log" | tail -12 | cut -c1-300
+    run 0 ${ABLATION_SECONDS:-300} ablation.log bench/trainer_step.py --ablation dense --rows 7,13,14 ;;
   losscurve)  # 200 steps of the baseline and the "all" row (LOSS_ROW=index), max relative loss-curve deviation
     for model in ${LOSS_MODELS:-dense}; do
       run 0 ${LOSS_SECONDS:-290} losscurve.log bench/loss_curve.py --model $model --fast ${LOSS_ROW:-6}; done ;;

@@ -11,6 +11,7 @@ allocates above its inputs.
 
     python bench/kernels.py --json kernels.json               # anchor shapes on the current GPU (~3 minutes)
     python bench/kernels.py --only rms_norm,grouped_mm        # a subset
+    python bench/kernels.py --only linear --loss-chunks 2048,4096   # the fused loss rows at two chunk sizes
     python bench/kernels.py --only "stochastic adamw"         # the optimizer step rows (one tensor; whole model)
     python bench/kernels.py --tiny --json /tmp/k.json         # seconds on CPU: Triton's interpreter, tiny shapes
 """
@@ -129,7 +130,12 @@ def compiled(fn: Callable[..., Any], backend: str) -> Callable[..., Any]:
 Case = tuple[str, str, str, Callable[[], None], float, str]
 
 
-def cases(s: Shapes, device: torch.device, compile_backend: str) -> list[Case]:
+DEFAULT_LOSS_CHUNK = 4096
+
+
+def cases(
+    s: Shapes, device: torch.device, compile_backend: str, loss_chunks: tuple[int, ...] = (DEFAULT_LOSS_CHUNK,)
+) -> list[Case]:
     """(kernel, implementation, shape, run, work, unit): work in FLOPs (unit TFLOP/s) or bytes (unit GB/s)."""
     from d9d.kernels.grouped_mm import EagerGroupedMm, TorchGroupedMm, TritonGroupedMm
     from d9d.kernels.linear_cross_entropy import EagerLinearCrossEntropy, TritonLinearCrossEntropy
@@ -206,22 +212,35 @@ def cases(s: Shapes, device: torch.device, compile_backend: str) -> list[Case]:
         "GB/s",
     )
 
-    # Fused linear + cross-entropy over the full vocabulary.
+    # Fused linear + cross-entropy over the full vocabulary; the caller sums the per-token losses (as every training
+    # task does), so the summed rows (gradients computed in forward, backward scales them) do the same work.
     hidden, weight = leaf((n, h), device), leaf((s.vocab, h), device, scale=0.02)
     labels = torch.randint(0, s.vocab, (n,), device=device)
-    grads = [torch.ones(n, device=device)]
+    grads, total_grad = [torch.ones(n, device=device)], [torch.ones((), device=device)]
     eager_ce, triton_ce = EagerLinearCrossEntropy(), TritonLinearCrossEntropy()
+    ce_impls = {
+        "eager(full logits)": fwd_bwd(lambda a, b: ce_reference(a, b, labels), [hidden, weight], grads),
+        "compile(full logits)": fwd_bwd(
+            compiled(lambda a, b: ce_reference(a, b, labels), compile_backend), [hidden, weight], grads
+        ),
+    }
+    for chunk in loss_chunks:
+        tag = "" if chunk == DEFAULT_LOSS_CHUNK else f", chunk {chunk}"
+        ce_impls |= {
+            f"eager(chunked{tag})": fwd_bwd(
+                lambda a, b, c=chunk: eager_ce(a, b, labels, chunk_size=c), [hidden, weight], grads
+            ),
+            f"triton(chunked{tag})": fwd_bwd(
+                lambda a, b, c=chunk: triton_ce(a, b, labels, chunk_size=c), [hidden, weight], grads
+            ),
+            f"triton(summed, grads in forward{tag})": fwd_bwd(
+                lambda a, b, c=chunk: triton_ce.summed(a, b, labels, chunk_size=c).total, [hidden, weight], total_grad
+            ),
+        }
     add(
         "linear+cross_entropy",
         f"{n}x{h} @ {s.vocab}",
-        {
-            "eager(full logits)": fwd_bwd(lambda a, b: ce_reference(a, b, labels), [hidden, weight], grads),
-            "compile(full logits)": fwd_bwd(
-                compiled(lambda a, b: ce_reference(a, b, labels), compile_backend), [hidden, weight], grads
-            ),
-            "eager(chunked)": fwd_bwd(lambda a, b: eager_ce(a, b, labels, chunk_size=4096), [hidden, weight], grads),
-            "triton(chunked)": fwd_bwd(lambda a, b: triton_ce(a, b, labels, chunk_size=4096), [hidden, weight], grads),
-        },
+        ce_impls,
         6 * n * h * s.vocab,  # useful matmul work: logits, grad hidden, grad weight (recomputation not counted)
         "TFLOP/s",
     )
@@ -341,6 +360,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--iters", type=int, default=None)
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend of the compile rows")
+    parser.add_argument(
+        "--loss-chunks", default=str(DEFAULT_LOSS_CHUNK), help="comma-separated token chunks of the fused-loss rows"
+    )
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cpu":
@@ -356,7 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     print("| kernel | implementation | shape | ms (fwd+bwd) | rate | of limit | peak extra MiB |")
     print("|---|---|---|---|---|---|---|")
-    for kernel, impl, shape, run, work, unit in cases(shapes, device, args.compile_backend):
+    loss_chunks = tuple(int(chunk) for chunk in args.loss_chunks.split(","))
+    for kernel, impl, shape, run, work, unit in cases(shapes, device, args.compile_backend, loss_chunks):
         if wanted and not any(kernel.startswith(prefix) for prefix in wanted):
             continue
         try:

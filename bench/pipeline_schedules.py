@@ -88,7 +88,7 @@ class Task:
             hidden_states=hidden,
             labels=batch["labels"] if stage.is_last else None,
         )
-        return LossResult(loss_sum=out.losses.sum()) if stage.is_last else out.hidden_states
+        return LossResult(loss_sum=out.loss_sum) if stage.is_last else out.hidden_states
 
     def activation_spec(self, batch, *, stage: PipelineStage) -> ActivationSpec:  # noqa: ANN001
         return ActivationSpec(shape=(*batch["input_ids"].shape, self.hidden), dtype=self.dtype)

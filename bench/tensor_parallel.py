@@ -61,7 +61,7 @@ class CausalLMTask:
     def compute_loss(self, model: nn.Module, batch: TokenBatch) -> LossResult:
         device = next(model.parameters()).device
         ids, labels = batch.input_ids.to(device, non_blocking=True), batch.labels.to(device, non_blocking=True)
-        return LossResult(loss_sum=model(ids, labels=labels).losses.sum())
+        return LossResult(loss_sum=model(ids, labels=labels).loss_sum)
 
 
 def main() -> None:

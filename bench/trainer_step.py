@@ -29,6 +29,16 @@ Switches (each an ablation lever):
 - `--grad-dtype float32|bfloat16`, `--state-dtype float32|bfloat16`: gradient reduction/accumulation dtype and the
   stochastic AdamW's moment dtype (memory levers).
 - `--checkpoint none|full|selective`: activation checkpointing policy.
+- `--loss-path in_forward|recompute`: where the Triton fused loss (`--kernels triton|loss`) forms its gradients: in
+  forward, for the loss sum (`DecoderConfig.loss_gradients_in_forward`, design note 0023; the default), or in
+  backward from recomputed logits (the previous path). `--loss-chunk N`: tokens per chunk of the loss (default 2048).
+- `--offload`: CPU offload of the FSDP units (`FsdpConfig(offload=True)`, FSDP rows only): parameter shards,
+  gradients and AdamW state in pinned host memory, the optimizer step on the CPU (torch's fused CPU AdamW; with
+  `--weights bf16` the PyTorch stochastic AdamW, the Triton step being CUDA-only).
+
+    # rows 10-12: the memory levers against the baseline (CPU offload, selective and full activation checkpointing)
+    python bench/trainer_step.py --ablation dense --rows 0,10,11,12
+    python bench/trainer_step.py --ablation dense --rows 10,11,12 --tiny --device cpu      # smoke run on CPU
 """
 
 from __future__ import annotations
@@ -74,7 +84,14 @@ from d9d.models.qwen3 import (
     parallelize_qwen3_dense,
     parallelize_qwen3_moe,
 )
-from d9d.parallel import FsdpConfig, MixedPrecisionConfig, SingleDeviceConfig, cast_parameters_, clip_grad_norm_
+from d9d.parallel import (
+    FsdpConfig,
+    MixedPrecisionConfig,
+    SingleDeviceConfig,
+    cast_parameters_,
+    clip_grad_norm_,
+    compute_device,
+)
 
 BATCH = {"dense": DENSE_BATCH, "moe": MOE_BATCH}
 DType = Literal["float32", "bfloat16"]
@@ -93,13 +110,25 @@ class Row:
     grad_dtype: DType = "float32"
     state_dtype: DType = "float32"
     checkpoint: Literal["none", "full", "selective"] = "none"
+    loss_path: Literal["in_forward", "recompute"] = "in_forward"
+    loss_chunk: int = 2048
+    offload: bool = False
+
+    @property
+    def loss_gradients_in_forward(self) -> bool:
+        """The Triton loss rows compute the loss gradients in forward unless `loss_path='recompute'`."""
+        return self.kernels in ("triton", "loss") and self.loss_path == "in_forward"
 
     def describe(self) -> str:
         parts = [f"kernels={self.kernels}", f"compile={self.compile}", f"attention={self.attention}"]
         parts += [f"weights={self.weights}", f"dp={self.data_parallel}", f"grads={self.grad_dtype}"]
         if self.weights == "bf16":
             parts.append(f"adam state={self.state_dtype}")
-        return ", ".join([*parts, f"checkpoint={self.checkpoint}"])
+        if self.kernels in ("triton", "loss"):
+            parts.append(f"loss={self.loss_path}")
+        parts.append(f"loss chunk={self.loss_chunk}")
+        parts.append(f"checkpoint={self.checkpoint}")
+        return ", ".join([*parts, "offload=cpu"] if self.offload else parts)
 
 
 BASELINE = Row(name="baseline: triton + layer compile, FSDP, fp32 master")
@@ -121,6 +150,18 @@ ABLATION = [
     replace(ALL, name="all, eager kernels but the Triton loss (Inductor fuses the rest)", kernels="loss"),
     replace(ALL, name="all + bf16 grads and Adam moments", grad_dtype="bfloat16", state_dtype="bfloat16"),
     replace(ALL, name="row 7 + bf16 gradients (float32 Adam moments)", kernels="loss", grad_dtype="bfloat16"),
+    # the memory levers, each against the baseline (row 0)
+    replace(BASELINE, name="baseline + CPU offload of optimizer state", offload=True),
+    replace(BASELINE, name="baseline + selective activation checkpointing", checkpoint="selective"),
+    replace(BASELINE, name="baseline + full activation checkpointing", checkpoint="full"),
+    # the fused loss (design note 0023): row 7 with its gradients recomputed in backward, and with chunk 4096
+    replace(
+        ALL,
+        name="row 7, loss gradients recomputed in backward (the previous fused loss)",
+        kernels="loss",
+        loss_path="recompute",
+    ),
+    replace(ALL, name="row 7 + loss chunk 4096", kernels="loss", loss_chunk=4096),
 ]
 
 
@@ -150,9 +191,9 @@ class CausalLMTask:
         return batch.labels.numel()  # no ignored labels in this synthetic stream: no device sync needed
 
     def compute_loss(self, model: nn.Module, batch: TokenBatch) -> LossResult:
-        device = next(model.parameters()).device
+        device = compute_device(model)  # CPU-offloaded parameters still compute on the GPU
         ids, labels = batch.input_ids.to(device, non_blocking=True), batch.labels.to(device, non_blocking=True)
-        return LossResult(loss_sum=model(ids, labels=labels).losses.sum())
+        return LossResult(loss_sum=model(ids, labels=labels).loss_sum)
 
 
 def decoder_config_for(row: Row, *, device_type: str) -> DecoderConfig:
@@ -169,7 +210,8 @@ def decoder_config_for(row: Row, *, device_type: str) -> DecoderConfig:
     from d9d.kernels.swiglu import EagerSwiGluConfig, TritonSwiGluConfig
 
     options: dict[str, object] = {
-        "loss_chunk_size": 2048,
+        "loss_chunk_size": row.loss_chunk,
+        "loss_gradients_in_forward": row.loss_gradients_in_forward,
         "compile_layers": row.compile == "layers",
         "compile_backend": "inductor" if device_type == "cuda" else "aot_eager",
         "activation_checkpointing": row.checkpoint != "none",
@@ -203,6 +245,11 @@ def check_row(row: Row, dp: int) -> None:
         )
     if row.data_parallel == "single" and dp != 1:
         raise ValueError(f"row {row.name!r}: data_parallel='single' needs one rank, got {dp}; use 'fsdp'")
+    if row.offload and row.data_parallel != "fsdp":
+        raise ValueError(
+            f"row {row.name!r}: offload=True is an option of FSDP units, and data_parallel={row.data_parallel!r} has "
+            "none; use data_parallel='fsdp' (one rank works)"
+        )
 
 
 def run_row(
@@ -229,7 +276,7 @@ def run_row(
         params = _tiny(params)
     dp = ctx.world_size
     precision = MixedPrecisionConfig(param_dtype="bfloat16", reduce_dtype=row.grad_dtype)
-    fused_step = row.weights == "bf16" and device_type == "cuda"
+    fused_step = row.weights == "bf16" and device_type == "cuda" and not row.offload  # Triton: CUDA tensors only
     if fused_step:
         from d9d.kernels.adamw import register_triton_stochastic_adamw
 
@@ -245,7 +292,7 @@ def run_row(
         data_parallel = (
             SingleDeviceConfig(mixed_precision=precision)
             if row.data_parallel == "single"
-            else FsdpConfig(mixed_precision=precision)
+            else FsdpConfig(mixed_precision=precision, offload=row.offload)
         )
         sync = parallelize(model, ctx, data_parallel)
         torch.manual_seed(0)
@@ -258,7 +305,8 @@ def run_row(
         if row.weights == "bf16":
             config = StochasticAdamWConfig(lr=lr, weight_decay=0.1, state_dtype=row.state_dtype, fused=fused_step)
             return build_optimizer(config, model.parameters())
-        return build_optimizer(AdamWConfig(lr=lr, weight_decay=0.1, fused=device_type == "cuda"), model.parameters())
+        fused = device_type == "cuda" or row.offload  # offloaded: torch's fused CPU AdamW, not its per-tensor loop
+        return build_optimizer(AdamWConfig(lr=lr, weight_decay=0.1, fused=fused), model.parameters())
 
     def lr_provider(optimizer: Optimizer, total_steps: int) -> LRScheduler:
         return build_lr_scheduler(ConstantScheduleConfig(), optimizer, total_steps)
@@ -328,6 +376,9 @@ def row_from_args(args: argparse.Namespace) -> Row:
         grad_dtype=args.grad_dtype,
         state_dtype=args.state_dtype,
         checkpoint=args.checkpoint,
+        loss_path=args.loss_path,
+        loss_chunk=args.loss_chunk,
+        offload=args.offload,
     )
 
 
@@ -346,6 +397,9 @@ def main() -> None:
     parser.add_argument("--grad-dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--state-dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--checkpoint", choices=["none", "full", "selective"], default="none")
+    parser.add_argument("--loss-path", choices=["in_forward", "recompute"], default="in_forward")
+    parser.add_argument("--loss-chunk", type=int, default=2048, help="tokens per chunk of the fused loss")
+    parser.add_argument("--offload", action="store_true", help="CPU offload of the FSDP units (FSDP rows only)")
     parser.add_argument("--ablation", choices=["dense", "moe"], help="run the ablation rows of this model")
     parser.add_argument("--profile", type=Path, default=None, help="write a Chrome trace of 2 steps per row here")
     parser.add_argument("--rows", default=None, help="ablation rows to run, comma-separated indices (default: all)")

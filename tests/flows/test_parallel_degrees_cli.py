@@ -83,6 +83,8 @@ def dense_baseline(workdir):
             ["pretrain.degrees.pp=2", "pretrain.degrees.cp=2"],
             "pp=2, dp_replicate=1, dp_shard=1, cp=2, tp=1, ep=1, pipeline schedule 1f1b",
         ),
+        # CPU offload of the FSDP units: on CPU ranks the same arithmetic (tests/parallel/test_cpu_offload.py)
+        ("offload", ["pretrain.data_parallel.offload=true"], "pp=1, dp_replicate=1, dp_shard=4, cp=1, tp=1, ep=1"),
     ],
 )
 def test_pretrain_with_a_degree_matches_data_parallel_only(workdir, dense_baseline, name, overrides, degrees):

@@ -92,6 +92,42 @@ def test_fused_linear_cross_entropy_at_full_vocabulary():
     )
 
 
+def test_summed_fused_linear_cross_entropy_at_full_vocabulary():
+    from d9d.kernels.linear_cross_entropy import TritonLinearCrossEntropy, linear_cross_entropy_reference
+
+    hidden, weight = _bf16(6000, 1024, seed=0), _bf16(151936, 1024, seed=1, scale=0.02)  # 3 chunks, the last short
+    labels = torch.randint(0, 151936, (6000,), device="cuda")
+    labels[:100] = -100
+    kernel = TritonLinearCrossEntropy()
+    # Gradients computed in forward, scaled in backward by 1 / 6000 (as a task normalises by its token count): the
+    # loss sum is float32 over the same bf16 logits; the gradients are bf16 matmuls, compared by relative norm.
+    _compare(
+        lambda h, w: kernel.summed(h, w, labels, chunk_size=2048).total,
+        lambda h, w: linear_cross_entropy_reference(h, w, labels).sum(),
+        [hidden, weight],
+        [torch.tensor(1 / 6000, device="cuda")],
+        elementwise=1e-4,
+    )
+    with torch.no_grad():
+        summed = kernel.summed(hidden, weight, labels, chunk_size=2048)
+        want = linear_cross_entropy_reference(hidden, weight, labels)
+    torch.testing.assert_close(summed.losses, want, atol=1e-3, rtol=1e-3)
+
+
+def test_float32_weight_gradient_accumulation_inside_the_matmul_is_no_less_accurate():
+    from d9d.kernels.linear_cross_entropy import addmm_float32_
+    from d9d.kernels.linear_cross_entropy.accumulate import fused_float32_addmm_supported
+
+    supported = fused_float32_addmm_supported(torch.device("cuda"), torch.bfloat16)
+    print(f"addmm.dtype_out into a float32 accumulator: {'supported' if supported else 'not supported'}")
+    a, b = _bf16(2048, 151936, seed=2).T, _bf16(2048, 1024, seed=3)  # one chunk's grad_logits.T @ hidden
+    start = _bf16(151936, 1024, seed=4).float()
+    exact = start.double() + a.double() @ b.double()
+    got = addmm_float32_(start.clone(), a, b)
+    fallback = start + (a @ b).float()  # the product rounded to bf16, then added
+    assert _relative(got, exact) <= _relative(fallback, exact) * 1.01 + 1e-7
+
+
 def test_moe_permute_at_anchor_shape():
     from d9d.kernels.moe_permute import EagerMoePermute, TritonMoePermute, sort_by_expert
 

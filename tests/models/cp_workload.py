@@ -107,7 +107,7 @@ class PackedTask:
         output = model(
             batch["input_ids"], position_ids=positions, document_ids=batch["document_ids"], labels=batch["labels"]
         )
-        return LossResult(loss_sum=output.losses.sum())
+        return LossResult(loss_sum=output.loss_sum)
 
 
 class PackedSource:

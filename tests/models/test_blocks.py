@@ -68,7 +68,7 @@ def test_split_embedding_and_head_equal_one_table_and_train_segments_separately(
     torch.testing.assert_close(embedding(ids), table[ids])
     hidden = embedding(ids)
     torch.testing.assert_close(head.logits(hidden), hidden @ head.weight().T)
-    head(hidden, torch.tensor([[1, 2, 11, 0, -100]])).sum().backward()
+    head(hidden, torch.tensor([[1, 2, 11, 0, -100]])).loss_sum.backward()
     special = embedding.segments["special"].weight.grad
     assert torch.count_nonzero(special.abs().sum(-1)) == 2  # ids 10 and 12
     assert embedding.segments["regular"].weight.grad is not None

@@ -31,16 +31,17 @@ TRITON = EAGER.model_copy(
 
 
 def _train_step(model, ids, labels):
-    losses = model(ids, labels=labels).losses
-    losses.sum().backward()
-    return losses.detach(), {name: p.grad for name, p in model.named_parameters()}
+    output = model(ids, labels=labels)
+    output.loss_sum.backward()
+    return output.losses.detach(), {name: p.grad for name, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("family", ["dense", "moe"])
-def test_triton_blocks_match_eager_losses_and_gradients_fp32(family):
+@pytest.mark.parametrize("in_forward", [False, True], ids=["loss-backward", "loss-in-forward"])
+def test_triton_blocks_match_eager_losses_and_gradients_fp32(family, in_forward):
     hf = hf_dense() if family == "dense" else hf_moe()
-    eager, _ = d9d_from_hf(hf)
-    fused, _ = d9d_from_hf(hf, config=TRITON)
+    eager, _ = d9d_from_hf(hf)  # the eager chunked loss, gradients in backward
+    fused, _ = d9d_from_hf(hf, config=TRITON.model_copy(update={"loss_gradients_in_forward": in_forward}))
     assert fused.model.norm.rms_norm_kernel.name == "triton" and fused.lm_head.loss_kernel is not None
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 96, (2, 9), generator=generator)

@@ -24,6 +24,7 @@ from d9d.parallel.tensor import (
     parallelize_vocab_embedding,
     prepare_region_input,
     vocab_parallel_cross_entropy,
+    vocab_parallel_cross_entropy_sum,
     vocab_parallel_logits,
 )
 
@@ -63,6 +64,31 @@ def test_vocab_parallel_loss_equals_full_cross_entropy(chunk_size):
     )
     logits = vocab_parallel_logits(hidden.detach(), sharded.detach())
     torch.testing.assert_close(logits, hidden.detach() @ weight.detach().T, atol=TOLERANCE, rtol=TOLERANCE)
+
+
+@pytest.mark.parametrize("chunk_size", [3, 2048])
+@pytest.mark.distributed(world_size=2, timeout=120)
+def test_vocab_parallel_loss_sum_with_gradients_in_forward_equals_full_cross_entropy(chunk_size):
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 5, 8, requires_grad=True)
+    weight = torch.randn(10, 8, requires_grad=True)
+    labels = torch.randint(0, 10, (2, 5))
+    labels[0, 1] = labels[1, 4] = -100
+    labels[0, 0], labels[0, 2] = 1, 9  # labels owned by each rank's half of the vocabulary
+
+    expected = functional.cross_entropy(hidden.reshape(-1, 8) @ weight.T, labels.reshape(-1), reduction="none")
+    (expected.sum() * 0.3).backward()
+
+    sharded = distribute_tensor(weight.detach(), mesh, [Shard(0)]).requires_grad_()
+    local_hidden = hidden.detach().clone().requires_grad_()
+    total, losses = vocab_parallel_cross_entropy_sum(local_hidden, sharded, labels, chunk_size=chunk_size)
+    assert not losses.requires_grad and losses.shape == labels.shape
+    torch.testing.assert_close(losses.reshape(-1), expected.detach(), atol=TOLERANCE, rtol=TOLERANCE)
+    torch.testing.assert_close(total, expected.sum().detach(), atol=TOLERANCE, rtol=TOLERANCE)
+    (total * 0.3).backward()  # scales the gradients formed in forward
+    torch.testing.assert_close(sharded.grad.full_tensor(), weight.grad, atol=TOLERANCE, rtol=TOLERANCE)
+    torch.testing.assert_close(local_hidden.grad, hidden.grad, atol=TOLERANCE, rtol=TOLERANCE)
 
 
 class _Adapted(nn.Module):

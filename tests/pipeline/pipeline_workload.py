@@ -130,7 +130,7 @@ class CausalLMPipelineTask:
         return int((batch.labels != -100).sum())
 
     def compute_loss(self, model: nn.Module, batch: TokenBatch) -> LossResult:
-        return LossResult(loss_sum=model(batch.input_ids, labels=batch.labels).losses.sum())
+        return LossResult(loss_sum=model(batch.input_ids, labels=batch.labels).loss_sum)
 
     def forward_stage(
         self, module: nn.Module, batch: TokenBatch, *, stage: PipelineStage, hidden: torch.Tensor | None
@@ -142,7 +142,7 @@ class CausalLMPipelineTask:
             labels=batch.labels.to(device) if stage.is_last else None,
         )
         if stage.is_last:
-            return LossResult(loss_sum=out.losses.sum())
+            return LossResult(loss_sum=out.loss_sum)
         return out.hidden_states
 
     def activation_spec(self, batch: TokenBatch, *, stage: PipelineStage) -> ActivationSpec:

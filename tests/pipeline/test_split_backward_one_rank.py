@@ -35,6 +35,9 @@ TOLERANCES = {"cpu": (1e-6, 5e-6, 2e-6), "cuda": (1e-5, 1e-4, 1e-4)}
 KERNELS = {
     "eager": EAGER,
     "default": DecoderConfig(loss_chunk_size=5),  # every backend detected: Triton on a CUDA GPU
+    # The LM head's loss gradients computed in forward (design note 0023): each pass returns its saved half.
+    "eager-loss-in-forward": EAGER.model_copy(update={"loss_gradients_in_forward": True}),
+    "default-loss-in-forward": DecoderConfig(loss_chunk_size=5, loss_gradients_in_forward=True),
 }
 
 
@@ -70,7 +73,9 @@ def _compare(device: str, kernels: str, schedule: str) -> list[tuple[str, float,
     ("device", "kernels"),
     [
         ("cpu", "eager"),
+        ("cpu", "eager-loss-in-forward"),
         pytest.param("cuda", "default", marks=pytest.mark.gpu),
+        pytest.param("cuda", "default-loss-in-forward", marks=pytest.mark.gpu),
     ],
 )
 def test_v_schedule_on_one_rank_equals_one_stage(device, kernels, schedule):

@@ -46,11 +46,12 @@ from d9d.core.loop import (
 from d9d.core.lr import build_lr_scheduler
 from d9d.core.optim import build_optimizer
 from d9d.flows.jobs.launch import emit_progress, prepare_rank
+from d9d.flows.jobs.offload_checks import offloaded_optimizer
 from d9d.flows.jobs.optimizer_kernels import register_optimizer_kernels
 from d9d.flows.jobs.topology import RankTopology
 from d9d.flows.jobs.torchrun_stage import TrainingStageConfig
 from d9d.models.catalogue import AnyModelConfig, build_model
-from d9d.parallel import clip_grad_norm_
+from d9d.parallel import clip_grad_norm_, compute_device
 from d9d.parallel.config import dtype_from_name
 from d9d.parallel.context import ContextParallelDataSource
 from d9d.pipeline import ActivationSpec, PipelineStage, pipeline_group
@@ -75,19 +76,19 @@ class PackedCausalLMTask:
         return int((batch["labels"] != -100).sum())
 
     def compute_loss(self, model: nn.Module, batch: PackedBatch) -> LossResult:
-        device = next(model.parameters()).device
+        device = compute_device(model)  # not the parameters' device: CPU-offloaded FSDP units compute on the GPU
         output = model(
             batch["input_ids"].to(device),
             position_ids=batch["position_ids"].to(device),
             document_ids=batch["document_ids"].to(device),
             labels=batch["labels"].to(device),
         )
-        return LossResult(loss_sum=output.losses.sum())
+        return LossResult(loss_sum=output.loss_sum)
 
     def forward_stage(
         self, module: nn.Module, batch: PackedBatch, *, stage: PipelineStage, hidden: torch.Tensor | None
     ) -> torch.Tensor | LossResult:
-        device = next(module.parameters()).device
+        device = compute_device(module)
         output = module(
             batch["input_ids"].to(device) if stage.is_first else None,
             hidden_states=hidden,
@@ -96,7 +97,7 @@ class PackedCausalLMTask:
             labels=batch["labels"].to(device) if stage.is_last else None,
         )
         if stage.is_last:
-            return LossResult(loss_sum=output.losses.sum())
+            return LossResult(loss_sum=output.loss_sum)
         hidden_states: torch.Tensor = output.hidden_states
         return hidden_states
 
@@ -247,7 +248,8 @@ def build_stage_trainer(
 
     def optimizer_provider(model: nn.Module) -> Optimizer:
         register_optimizer_kernels(stage.optimizer)
-        return build_optimizer(stage.optimizer, [param for param in model.parameters() if param.requires_grad])
+        optimizer = offloaded_optimizer(stage.optimizer, stage.data_parallel)
+        return build_optimizer(optimizer, [param for param in model.parameters() if param.requires_grad])
 
     def lr_provider(optimizer: Optimizer, total_steps: int) -> LRScheduler:
         return build_lr_scheduler(stage.lr_schedule, optimizer, total_steps)

@@ -55,6 +55,15 @@ class RankTopology(BaseModel):
             return {**value, "dp_shard": -1}
         return value
 
+    @field_validator("data_parallel", mode="before")
+    @classmethod
+    def _default_data_parallel_kind(cls, value: object) -> object:
+        """`data_parallel` without `kind` is the default kind, fsdp (`--set pretrain.data_parallel.offload=true` alone
+        shards with offload, where the union would otherwise ask which kind was meant)."""
+        if isinstance(value, dict) and "kind" not in value:
+            return {**value, "kind": "fsdp"}
+        return value
+
     def node_count(self) -> int:
         """Nodes the ranks run on: 1 here; a section with a cluster launcher says how many it asks for."""
         return 1

@@ -21,6 +21,7 @@ from d9d.flows.jobs.degree_checks import check_topology
 from d9d.flows.jobs.launch import LaunchSpec
 from d9d.flows.jobs.launchers import AnyLauncherConfig, LocalLauncherConfig, build_launcher
 from d9d.flows.jobs.launchers.config import launcher_nodes
+from d9d.flows.jobs.offload_checks import check_training_offload
 from d9d.flows.jobs.progress import Progress
 from d9d.flows.jobs.rank_failure import rank_errors
 from d9d.flows.jobs.stage_spec import PreflightError
@@ -109,10 +110,12 @@ class TrainingStageConfig(LaunchedStageConfig):
             )
 
     def check_topology(self, section: str, model: AnyModelConfig, *, seq_len: int) -> None:
-        """The degrees fit the ranks, `model`, `seq_len` and the micro-batches per step (`degree_checks`)."""
+        """The degrees fit the ranks, `model`, `seq_len` and the micro-batches per step (`degree_checks`), and CPU
+        offload, if asked for, fits the degrees and the optimizer (`offload_checks`)."""
         dp = self.data_parallel_size()
         per_rank = self.global_batch_rows // (dp * self.microbatch_rows) if dp is not None else None
-        check_topology(section, self, model, seq_len=seq_len, microbatches_per_step=per_rank or None)
+        degrees = check_topology(section, self, model, seq_len=seq_len, microbatches_per_step=per_rank or None)
+        check_training_offload(section, self.data_parallel, degrees, self.optimizer)
 
     def check_schedule(self, section: str) -> None:
         """The LR schedule resolves for `steps` steps (what the rank program does first; e.g. a warm-up longer

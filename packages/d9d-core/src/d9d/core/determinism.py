@@ -66,7 +66,8 @@ def use_deterministic_algorithms(enabled: bool = True) -> None:
 
 
 def _dtensor_rng_supported(tensor: DTensor) -> bool:
-    return tensor.device_mesh.device_type != "cpu"
+    # Not for CPU-offloaded shards of a CUDA mesh: the tracker draws on the mesh's device.
+    return tensor.device_mesh.device_type != "cpu" and tensor.to_local().device.type == tensor.device_mesh.device_type
 
 
 @torch.no_grad()
@@ -81,7 +82,12 @@ def init_parameter_(
     if not isinstance(tensor, DTensor) or (not layout_independent and _dtensor_rng_supported(tensor)):
         init(tensor)
         return tensor
-    full = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.to_local().device)
+    # Drawn on the mesh's device: a CPU-offloaded shard of a CUDA mesh (FSDP's CPU offload) gets the values a run
+    # without offload draws from the same seed (the current CUDA device, which the distributed context sets per rank).
+    device: torch.device | str = tensor.to_local().device
+    if torch.device(device).type != tensor.device_mesh.device_type:
+        device = tensor.device_mesh.device_type
+    full = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
     init(full)
     # src_data_rank=None: every rank already holds the same full tensor, so slicing needs no communication.
     local = distribute_tensor(full, tensor.device_mesh, tensor.placements, src_data_rank=None).to_local()

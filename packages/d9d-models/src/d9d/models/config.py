@@ -29,6 +29,9 @@ class DecoderConfig(BaseModel):
     parallelising; fastest with `SingleDeviceConfig`, where no FSDP hook breaks the graph; not with `compile_layers`,
     nor with pipeline parallelism, whose split backward needs the per-layer autograd graph).
     `loss_chunk_size`: tokens per chunk of the LM loss (bounds the logits held at once).
+    `loss_gradients_in_forward`: the LM head computes the gradients of the loss *sum* in forward, from one logits
+    matmul per chunk (backward only scales them): train through `CausalLMOutput.loss_sum`, whose `losses` are then
+    detached. Tensor-parallel heads too. See docs/design/0023-loss-gradients-in-forward.md.
     `expert_dispatch`: the token exchange of expert parallelism (`None`: `D9D_BACKEND_AUTO_EXPERT_DISPATCH`, else
     detected); used only when the plan has `ep > 1`.
     `moe_capacity_factor`: drop the routed copies beyond `ceil(factor * tokens * top_k / experts)` per expert and
@@ -50,6 +53,7 @@ class DecoderConfig(BaseModel):
     compile_model: bool = False
     compile_backend: str = "inductor"
     loss_chunk_size: int = Field(default=2048, gt=0)
+    loss_gradients_in_forward: bool = False
     expert_dispatch: AnyExpertDispatchConfig | None = None
     moe_capacity_factor: float | None = Field(default=None, gt=0)
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, assert_never
+from typing import Annotated, Any, Literal, assert_never
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -40,6 +40,19 @@ class MixedPrecisionConfig(BaseModel):
         )
 
 
+def _refuse_offload(data: Any, kind: str, instead: str) -> Any:
+    """`offload` belongs to the sharded kinds: a clear error for `offload=true` elsewhere (`false` is dropped)."""
+    if isinstance(data, dict) and "offload" in data:
+        if data["offload"] not in (False, "false", "False", 0):
+            raise ValueError(
+                f"kind={kind!r} cannot offload (got offload={data['offload']!r}): offload keeps FSDP's parameter "
+                f"shards, their gradients and the optimizer state in CPU memory and runs the optimizer step there, "
+                f"and kind={kind!r} has no FSDP units; {instead}"
+            )
+        return {key: value for key, value in data.items() if key != "offload"}
+    return data
+
+
 class ReplicateConfig(BaseModel):
     """Replicate parameters over every dimension of the data-parallel mesh; bucketed all-reduce of gradients."""
 
@@ -52,6 +65,11 @@ class ReplicateConfig(BaseModel):
         default=None, description="gradient accumulation and reduction dtype; default: the reduce dtype, else params'"
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_offload(cls, data: Any) -> Any:
+        return _refuse_offload(data, "replicate", "use kind='fsdp' (or 'hsdp') with offload=true.")
+
 
 class _ShardedConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -63,6 +81,11 @@ class _ShardedConfig(BaseModel):
     unit_roles: list[str] = Field(default_factory=list, description="roles of modules that become their own unit")
     mixed_precision: MixedPrecisionConfig | None = None
     reshard_after_forward: bool = True
+    offload: bool = Field(
+        default=False,
+        description="keep parameter shards, gradients and optimizer state in CPU memory (FSDP2 CPUOffloadPolicy); "
+        "the optimizer step runs on the CPU (d9d.parallel.offload)",
+    )
 
     def selectors(self) -> list[ModuleSelector]:
         return [ByName(pattern) for pattern in self.units] + [ByRole(role) for role in self.unit_roles]
@@ -89,6 +112,13 @@ class SingleDeviceConfig(BaseModel):
 
     kind: Literal["single"] = "single"
     mixed_precision: MixedPrecisionConfig | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_offload(cls, data: Any) -> Any:
+        return _refuse_offload(
+            data, "single", "use kind='fsdp' with offload=true, which runs on one rank too (FSDP over one rank)."
+        )
 
 
 AnyDataParallelConfig = Annotated[
@@ -124,6 +154,7 @@ def build_data_parallel(config: AnyDataParallelConfig, module: nn.Module, mesh: 
                     shard_mesh,
                     mixed_precision=_mixed_precision(config),
                     reshard_after_forward=config.reshard_after_forward,
+                    offload=config.offload,
                 )
             return ModuleGradientSync(module)
         case SingleDeviceConfig():
@@ -143,6 +174,7 @@ def build_data_parallel(config: AnyDataParallelConfig, module: nn.Module, mesh: 
                     shard_dim=config.shard_dim,
                     mixed_precision=_mixed_precision(config),
                     reshard_after_forward=config.reshard_after_forward,
+                    offload=config.offload,
                 )
             return ModuleGradientSync(module)
         case _:

@@ -80,6 +80,7 @@ def shard_experts(
     shard_dim: str = "ep_replicate",
     mixed_precision: MixedPrecision | None = None,
     reshard_after_forward: bool = True,
+    offload: bool = False,
 ) -> FSDPModule:
     """Split every parameter of `module` along dimension 0 over `mesh[ep_dim]`, then FSDP over `mesh[shard_dim]`.
 
@@ -87,6 +88,7 @@ def shard_experts(
     parameter, adapters included, must be stacked by expert (`shape[0] == num_experts`). Parameters end as DTensors
     on the 2-D `(shard_dim, ep_dim)` mesh; gradients are sums (see `use_sum_reduction`). The module becomes its own
     FSDP unit even when `mesh[shard_dim]` has one rank, so an enclosing FSDP unit on another mesh leaves it alone.
+    `offload`: keep the expert shards, their gradients and optimizer state in CPU memory (`d9d.parallel.offload`).
 
     Raises:
         ValueError: a parameter not stacked by expert, or `num_experts` not divisible by the `ep_dim` size.
@@ -105,5 +107,9 @@ def shard_experts(
         sharded = distribute_tensor(param.detach(), ep_mesh, [Shard(0)])
         setattr(owner, attribute, nn.Parameter(sharded, requires_grad=param.requires_grad))
     return parallelize_fsdp(
-        module, mesh[shard_dim], mixed_precision=mixed_precision, reshard_after_forward=reshard_after_forward
+        module,
+        mesh[shard_dim],
+        mixed_precision=mixed_precision,
+        reshard_after_forward=reshard_after_forward,
+        offload=offload,
     )

@@ -62,6 +62,7 @@ from d9d.flows.jobs.evaluate.report import (
 from d9d.flows.jobs.evaluation_tasks import CORPORA, HeldOutSplit, write_local_tasks
 from d9d.flows.jobs.launch import LaunchSpec
 from d9d.flows.jobs.launchers import build_launcher
+from d9d.flows.jobs.offload_checks import check_evaluation_offload
 from d9d.flows.jobs.pretrain.stage import CHECKPOINTS_DIR, tracker_location
 from d9d.flows.jobs.progress import Progress
 from d9d.flows.jobs.rank_failure import rank_errors
@@ -417,6 +418,7 @@ def preflight(config: JobConfig) -> None:
     seq_len = section.seq_len or config.pretrain.seq_len
     # One micro-batch per step: a pipelined evaluation runs the schedule's forward-only program over it.
     degrees = check_topology("evaluate", section, config.pretrain.model, seq_len=seq_len, microbatches_per_step=1)
+    check_evaluation_offload("evaluate", section.data_parallel)
     if section.rows_per_step % degrees.dp:
         raise PreflightError(
             f"evaluate.rows_per_step={section.rows_per_step} is not a multiple of the data-parallel size {degrees.dp} "

@@ -6,8 +6,16 @@ from typing import Any, Protocol
 
 import torch
 
-from d9d.kernels.linear_cross_entropy.chunks import LogitStats, logit_gradients, logit_stats, losses_from_stats
+from d9d.kernels.linear_cross_entropy.chunks import (
+    LogitStats,
+    flatten_tokens,
+    logit_gradients,
+    logit_stats,
+    logit_stats_and_gradients,
+    losses_from_stats,
+)
 from d9d.kernels.linear_cross_entropy.reference import TorchChunkMath
+from d9d.kernels.linear_cross_entropy.summed import SummedLoss, summed_function, summed_linear_cross_entropy
 from d9d.kernels.split_backward import wanted_backward_halves
 from d9d.kernels.triton_support import any_dtensor
 
@@ -15,7 +23,10 @@ from d9d.kernels.triton_support import any_dtensor
 class LinearCrossEntropyKernel(Protocol):
     """Per-token float32 cross-entropy of `hidden @ weight.T`, shaped like `labels`, never holding more than
     `chunk_size` tokens' logits. `hidden` `(..., H)`, `weight` `(V, H)`, `labels` `(...)` with -100 for no loss
-    (its loss is 0). Differentiable in `hidden` and `weight`."""
+    (its loss is 0). Differentiable in `hidden` and `weight`.
+
+    `summed` is the same loss reduced by a sum, with the gradients computed in forward from one logits matmul per
+    chunk (backward only scales them): cheaper whenever the caller backpropagates through the sum."""
 
     name: str
 
@@ -23,15 +34,9 @@ class LinearCrossEntropyKernel(Protocol):
         self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, chunk_size: int = 2048
     ) -> torch.Tensor: ...
 
-
-def flatten_tokens(hidden: torch.Tensor, labels: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if chunk_size <= 0:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
-    flat_labels = labels.reshape(-1)
-    if flat_hidden.shape[0] != flat_labels.shape[0]:
-        raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} disagree on the token count")
-    return flat_hidden, flat_labels
+    def summed(
+        self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, chunk_size: int = 2048
+    ) -> SummedLoss: ...
 
 
 _TORCH_MATH = TorchChunkMath()
@@ -58,6 +63,19 @@ class _EagerLinearCrossEntropy(torch.autograd.Function):
         return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None
 
 
+def _eager_losses_and_gradients(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int, *, want_input: bool,
+    want_weight: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+    result = logit_stats_and_gradients(
+        hidden, weight, labels, chunk_size=chunk_size, math=_TORCH_MATH, want_input=want_input, want_weight=want_weight
+    )
+    return losses_from_stats(result.stats, labels), result.grad_hidden, result.grad_weight
+
+
+_EagerSummedLinearCrossEntropy = summed_function(_eager_losses_and_gradients)
+
+
 class EagerLinearCrossEntropy:
     """The chunked algorithm with PyTorch ops per chunk: any device and dtype."""
 
@@ -70,6 +88,11 @@ class EagerLinearCrossEntropy:
         losses = _EagerLinearCrossEntropy.apply(flat_hidden, weight, flat_labels, chunk_size)  # type: ignore[no-untyped-call]
         assert isinstance(losses, torch.Tensor)
         return losses.view(labels.shape)
+
+    def summed(
+        self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, chunk_size: int = 2048
+    ) -> SummedLoss:
+        return summed_linear_cross_entropy(hidden, weight, labels, chunk_size, _EagerSummedLinearCrossEntropy)
 
 
 class TritonLinearCrossEntropy:
@@ -96,3 +119,11 @@ class TritonLinearCrossEntropy:
             flat_hidden.contiguous(), weight, flat_labels.contiguous(), chunk_size=chunk_size
         )
         return losses.view(labels.shape)
+
+    def summed(
+        self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, chunk_size: int = 2048
+    ) -> SummedLoss:
+        if any_dtensor(hidden, weight):
+            return EagerLinearCrossEntropy().summed(hidden, weight, labels, chunk_size=chunk_size)
+        summed: SummedLoss = self._ops.summed_fused_linear_cross_entropy(hidden, weight, labels, chunk_size=chunk_size)
+        return summed

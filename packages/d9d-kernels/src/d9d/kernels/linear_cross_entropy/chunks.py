@@ -7,6 +7,11 @@ them into `(softmax - onehot) * grad_loss` in the compute dtype and multiplies t
 (`@ weight`) and the weight gradient (`.T @ hidden`, summed over chunks in float32). `ChunkMath` supplies the two
 per-chunk steps (PyTorch ops or Triton kernels); everything else is here, so both backends agree by construction.
 
+With the loss *summed* (`logit_stats_and_gradients`), every token's incoming gradient is the same scalar, so the
+gradients can be formed in forward from the one logits matmul per chunk: the stats and `softmax - onehot` come from
+one pass over the chunk (`ChunkMath.stats_and_gradient`), then the two gradient matmuls run at once, and backward
+only scales the saved gradients by the scalar (design note 0023).
+
 A vocabulary-parallel head calls the pieces per shard: `logit_stats` with its `vocab_start`, an all-reduce of the
 stats over the tensor-parallel group (`combine_logit_stats` is the single-process version: max of maxima, rescaled
 sum, sum of target logits), then `logit_gradients` with the global log-sum-exp; the hidden-state gradients of the
@@ -21,7 +26,20 @@ from typing import Protocol
 
 import torch
 
+from d9d.kernels.linear_cross_entropy.accumulate import addmm_float32_
+
 IGNORE_INDEX = -100
+
+
+def flatten_tokens(hidden: torch.Tensor, labels: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`hidden` `(..., H)` and `labels` `(...)` as `(N, H)` and `(N,)`, checked."""
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    flat_labels = labels.reshape(-1)
+    if flat_hidden.shape[0] != flat_labels.shape[0]:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} disagree on the token count")
+    return flat_hidden, flat_labels
 
 
 @dataclass(frozen=True)
@@ -47,6 +65,14 @@ class ChunkMath(Protocol):
         self, logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor, vocab_start: int
     ) -> torch.Tensor:
         """`(exp(logits - lse) - onehot(targets)) * scale` in `logits`' dtype (may overwrite `logits`)."""
+        ...
+
+    def stats_and_gradient(
+        self, logits: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`(max, sum_exp, target_logit, grad_logits)` of a whole-vocabulary chunk: the stats as `stats`, and
+        `softmax - onehot(targets)` (0 on rows whose target is `IGNORE_INDEX`) in `logits`' dtype (may overwrite
+        `logits`)."""
         ...
 
 
@@ -85,9 +111,43 @@ def logit_gradients(
         if grad_hidden is not None:
             grad_hidden[start:stop] = grad_logits @ weight
         if grad_weight is not None:
-            # Each chunk's product in the compute dtype (tensor-core matmul), summed over chunks in float32.
-            grad_weight.add_(grad_logits.T @ chunk)
+            # Each chunk's tensor-core matmul, summed over chunks in float32 (inside the matmul where supported).
+            addmm_float32_(grad_weight, grad_logits.T, chunk)
     return grad_hidden, grad_weight
+
+
+@dataclass(frozen=True)
+class StatsAndGradients:
+    """What the forward of a summed loss computes: the stats, and the gradients of the loss *sum* (each `None`
+    when not wanted; `grad_weight` float32)."""
+
+    stats: LogitStats
+    grad_hidden: torch.Tensor | None
+    grad_weight: torch.Tensor | None
+
+
+def logit_stats_and_gradients(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, chunk_size: int, math: ChunkMath,
+    want_input: bool, want_weight: bool,
+) -> StatsAndGradients:  # fmt: skip
+    """Stats of `hidden @ weight.T` over the whole vocabulary (`weight` `(V, H)`) and the gradients of the sum of
+    the per-token losses, one logits matmul per chunk. Tokens whose target is `IGNORE_INDEX` get no gradient."""
+    tokens = hidden.shape[0]
+    out = [torch.empty(tokens, dtype=torch.float32, device=hidden.device) for _ in range(3)]
+    grad_hidden = torch.empty_like(hidden) if want_input else None
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
+    for start in range(0, tokens, chunk_size):
+        stop = min(start + chunk_size, tokens)
+        chunk = hidden[start:stop]
+        *stats, grad_logits = math.stats_and_gradient(chunk @ weight.T, targets[start:stop])
+        for target, value in zip(out, stats, strict=True):
+            target[start:stop] = value
+        if grad_hidden is not None:
+            torch.mm(grad_logits, weight, out=grad_hidden[start:stop])
+        if grad_weight is not None:
+            addmm_float32_(grad_weight, grad_logits.T, chunk)
+    stats_out = LogitStats(max=out[0], sum_exp=out[1], target_logit=out[2])
+    return StatsAndGradients(stats=stats_out, grad_hidden=grad_hidden, grad_weight=grad_weight)
 
 
 def combine_logit_stats(shards: Sequence[LogitStats]) -> LogitStats:

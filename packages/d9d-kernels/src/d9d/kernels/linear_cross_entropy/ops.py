@@ -3,7 +3,9 @@
 Ops (`d9d_kernels::` prefix): `linear_cross_entropy_stats` (forward: per-token `LogitStats` of one vocabulary shard),
 `linear_cross_entropy_backward` (both gradients from one recomputation of the logits), and the split halves
 `linear_cross_entropy_backward_input` / `linear_cross_entropy_backward_weight` for pipeline schedules (each
-recomputes the logits itself: a split backward costs one more logits matmul than the fused one).
+recomputes the logits itself: a split backward costs one more logits matmul than the fused one), and
+`linear_cross_entropy_with_gradients` (the summed loss: per-token losses and the gradients of their sum, computed in
+forward; its autograd function, in `summed.py`, only scales them in backward).
 """
 
 from __future__ import annotations
@@ -12,7 +14,14 @@ from typing import Any
 
 import torch
 
-from d9d.kernels.linear_cross_entropy.chunks import LogitStats, logit_gradients, logit_stats, losses_from_stats
+from d9d.kernels.linear_cross_entropy.chunks import (
+    LogitStats,
+    logit_gradients,
+    logit_stats,
+    logit_stats_and_gradients,
+    losses_from_stats,
+)
+from d9d.kernels.linear_cross_entropy.summed import SummedLoss, summed_function, summed_linear_cross_entropy
 from d9d.kernels.linear_cross_entropy.triton_kernels import TritonChunkMath
 from d9d.kernels.split_backward import wanted_backward_halves
 from d9d.kernels.triton_support import check_triton_device
@@ -172,3 +181,49 @@ def fused_linear_cross_entropy(
     losses = _TritonLinearCrossEntropy.apply(hidden, weight, labels, chunk_size)  # type: ignore[no-untyped-call]
     assert isinstance(losses, torch.Tensor)
     return losses
+
+
+@torch.library.custom_op("d9d_kernels::linear_cross_entropy_with_gradients", mutates_args=())
+def _with_gradients_op(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int, want_input: bool,
+    want_weight: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Per-token losses, the gradient of their sum in `hidden` (empty `(0,)` unless `want_input`) and in `weight`
+    (float32; empty unless `want_weight`), from one logits matmul per chunk."""
+    check_triton_device(hidden, weight)
+    result = logit_stats_and_gradients(
+        hidden, weight, targets, chunk_size=chunk_size, math=_MATH, want_input=want_input, want_weight=want_weight
+    )
+    grad_hidden = hidden.new_empty(0) if result.grad_hidden is None else result.grad_hidden
+    grad_weight = hidden.new_empty(0, dtype=torch.float32) if result.grad_weight is None else result.grad_weight
+    return losses_from_stats(result.stats, targets), grad_hidden, grad_weight
+
+
+@_with_gradients_op.register_fake
+def _(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int, want_input: bool,
+    want_weight: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    losses = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
+    grad_hidden = torch.empty_like(hidden) if want_input else hidden.new_empty(0)
+    grad_weight = weight.new_empty(weight.shape if want_weight else (0,), dtype=torch.float32)
+    return losses, grad_hidden, grad_weight
+
+
+def _triton_losses_and_gradients(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int, *, want_input: bool,
+    want_weight: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+    losses, grad_hidden, grad_weight = _with_gradients_op(hidden, weight, labels, chunk_size, want_input, want_weight)
+    return losses, grad_hidden if want_input else None, grad_weight if want_weight else None
+
+
+_TritonSummedLinearCrossEntropy = summed_function(_triton_losses_and_gradients)
+
+
+def summed_fused_linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, chunk_size: int = 2048
+) -> SummedLoss:
+    """The sum of the per-token losses of `hidden @ weight.T` `(N, H) x (V, H)` against `labels` `(N,)`, its
+    gradients computed in forward (see `SummedLoss`)."""
+    return summed_linear_cross_entropy(hidden, weight, labels, chunk_size, _TritonSummedLinearCrossEntropy)

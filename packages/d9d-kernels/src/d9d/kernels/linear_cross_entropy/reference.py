@@ -35,6 +35,13 @@ class TorchChunkMath:
         probs.scatter_add_(1, local[:, None], -inside.float()[:, None])
         return (probs * scale[:, None]).to(logits.dtype)
 
+    def stats_and_gradient(
+        self, logits: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        maximum, sum_exp, target = self.stats(logits, targets, 0)
+        scale = (targets != IGNORE_INDEX).float()
+        return maximum, sum_exp, target, self.gradient(logits, targets, maximum + torch.log(sum_exp), scale, 0)
+
 
 def linear_cross_entropy_reference(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Per-token losses through the full float32 logits: the simplest statement of what the chunked paths compute."""

@@ -4,7 +4,7 @@ from d9d.models.blocks.attention import GroupedQueryAttention
 from d9d.models.blocks.checkpointing import run_layer, set_activation_checkpointing
 from d9d.models.blocks.embedding import SplitTokenEmbedding
 from d9d.models.blocks.ffn import SwiGLU
-from d9d.models.blocks.head import SplitLanguageModellingHead
+from d9d.models.blocks.head import LanguageModellingLoss, SplitLanguageModellingHead
 from d9d.models.blocks.inputs import CausalLMOutput, positions_within_documents
 from d9d.models.blocks.late_init import ModuleLateInit, materialize_
 from d9d.models.blocks.loss import IGNORE_INDEX, chunked_linear_cross_entropy
@@ -23,6 +23,7 @@ __all__ = [
     "AnyRopeScaling",
     "CausalLMOutput",
     "GroupedQueryAttention",
+    "LanguageModellingLoss",
     "LinearRopeScaling",
     "ModuleLateInit",
     "NtkRopeScaling",

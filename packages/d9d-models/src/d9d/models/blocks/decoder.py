@@ -124,7 +124,8 @@ class DecoderBackbone(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    """Backbone plus the LM head (last stage). Returns per-token losses when given labels, else logits."""
+    """Backbone plus the LM head (last stage). Returns the losses (per token and their sum) when given labels,
+    else logits."""
 
     def __init__(
         self, backbone: DecoderBackbone, params: DecoderParameters, *, config: DecoderConfig, stage: PipelineStage
@@ -138,6 +139,7 @@ class DecoderForCausalLM(nn.Module):
                     params.hidden_size,
                     init_std=params.init_std,
                     loss_chunk_size=config.loss_chunk_size,
+                    loss_gradients_in_forward=config.loss_gradients_in_forward,
                 ),
                 Role.LM_HEAD,
             )
@@ -163,5 +165,6 @@ class DecoderForCausalLM(nn.Module):
         if self.lm_head is None:
             return CausalLMOutput(hidden_states=hidden)
         if labels is not None:
-            return CausalLMOutput(losses=self.lm_head(hidden, labels))
+            loss = self.lm_head(hidden, labels)
+            return CausalLMOutput(losses=loss.losses, loss_sum=loss.loss_sum)
         return CausalLMOutput(logits=self.lm_head(hidden))  # through forward: FSDP gathers the head's weight

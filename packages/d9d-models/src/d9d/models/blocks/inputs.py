@@ -13,11 +13,16 @@ from d9d.kernels.attention import AttentionMask
 @dataclass(frozen=True)
 class CausalLMOutput:
     """What a (stage of a) causal LM returns: `hidden_states` on every stage but the last; on the last, `losses`
-    (per token, float32) when labels were given, else `logits`."""
+    (per token, float32) and `loss_sum` (their sum) when labels were given, else `logits`.
+
+    Train through `loss_sum` (times any scalar): it is the differentiable loss whichever way the model computes its
+    gradients. With `DecoderConfig.loss_gradients_in_forward` the gradients of the sum are computed in forward and
+    `losses` are detached (for metrics only)."""
 
     hidden_states: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     losses: torch.Tensor | None = None
+    loss_sum: torch.Tensor | None = None
 
 
 # FSDP2 finds a unit's outputs with pytree flattening to hook its pre-backward all-gather on them; torch 2.11 does

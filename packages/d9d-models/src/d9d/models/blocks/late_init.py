@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from d9d.core.determinism import init_parameter_
+from d9d.parallel import to_empty_
 
 
 @runtime_checkable
@@ -43,9 +44,10 @@ def materialize_(module: nn.Module, device: torch.device | str) -> nn.Module:
     """Give every parameter and buffer real storage on `device` and initialise it; returns `module`.
 
     Works on plain, replicated and FSDP-sharded modules alike: sharded parameters get the values a single process
-    would give them (`d9d.core.determinism.init_parameter_`), given the same seed on every rank.
+    would give them (`d9d.core.determinism.init_parameter_`), given the same seed on every rank. The parameters of
+    CPU-offloaded FSDP units get CPU storage instead (`d9d.parallel.to_empty_`), where FSDP keeps them.
     """
-    module.to_empty(device=device)
+    to_empty_(module, device)
     for root in late_init_roots(module):
         assert isinstance(root, ModuleLateInit)
         root.reset_parameters()

@@ -81,7 +81,8 @@ class Qwen3DenseModel(DecoderBackbone):
 
 
 class Qwen3DenseForCausalLM(DecoderForCausalLM):
-    """Qwen3 dense backbone plus the LM head (last stage). Per-token losses when given labels, else logits."""
+    """Qwen3 dense backbone plus the LM head (last stage). The losses (per token and their sum) when given labels,
+    else logits."""
 
     model: Qwen3DenseModel
 

@@ -100,7 +100,8 @@ class Qwen3MoeModel(DecoderBackbone):
 
 
 class Qwen3MoeForCausalLM(DecoderForCausalLM):
-    """Qwen3-MoE backbone plus the LM head (last stage). Per-token losses when given labels, else logits."""
+    """Qwen3-MoE backbone plus the LM head (last stage). The losses (per token and their sum) when given labels,
+    else logits."""
 
     model: Qwen3MoeModel
 

@@ -153,7 +153,13 @@ def _expert_parallel(
             f"got kind={config.kind!r}: experts are sharded over the expert domain by FSDP over ep_replicate."
         )
     mixed_precision = config.mixed_precision.build() if config.mixed_precision else None
-    parallelize_experts(model, ctx, mixed_precision=mixed_precision, reshard_after_forward=config.reshard_after_forward)
+    parallelize_experts(
+        model,
+        ctx,
+        mixed_precision=mixed_precision,
+        reshard_after_forward=config.reshard_after_forward,
+        offload=config.offload,
+    )
 
 
 def _refuse_unsupported(ctx: DistributedContext, family: Qwen3FamilyPlan) -> None:
@@ -183,7 +189,11 @@ def _shard_expert_units(model: nn.Module, ctx: DistributedContext, config: FsdpC
     for _, moe in select_modules(model, [ByRole(str(Role.MOE))]):
         if isinstance(config, FsdpConfig):
             parallelize_fsdp(
-                moe, mesh["dp_cp_shard_tp"], mixed_precision=policy, reshard_after_forward=config.reshard_after_forward
+                moe,
+                mesh["dp_cp_shard_tp"],
+                mixed_precision=policy,
+                reshard_after_forward=config.reshard_after_forward,
+                offload=config.offload,
             )
         else:
             parallelize_hsdp(
@@ -192,6 +202,7 @@ def _shard_expert_units(model: nn.Module, ctx: DistributedContext, config: FsdpC
                 shard_dim="dp_cp_shard_tp",
                 mixed_precision=policy,
                 reshard_after_forward=config.reshard_after_forward,
+                offload=config.offload,
             )
 
 

@@ -23,6 +23,7 @@ from d9d.parallel.tensor.vocab import (
     vocab_parallel_cross_entropy,
     vocab_parallel_logits,
 )
+from d9d.parallel.tensor.vocab_summed import vocab_parallel_cross_entropy_sum
 
 __all__ = [
     "COLUMN_PLACEMENTS",
@@ -41,5 +42,6 @@ __all__ = [
     "parallelize_vocab_head",
     "prepare_region_input",
     "vocab_parallel_cross_entropy",
+    "vocab_parallel_cross_entropy_sum",
     "vocab_parallel_logits",
 ]

@@ -8,6 +8,7 @@ logits. No rank ever holds a full-vocabulary logit row.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -113,22 +114,45 @@ def vocab_parallel_cross_entropy(
     `hidden` `(..., H)` is a DTensor on the same mesh (e.g. `Shard(1)` from sequence parallelism; it is gathered)
     or a plain tensor that every rank holds whole. Its gradient is the sum of the ranks' parts.
     """
+    shard = local_shard_inputs(hidden, weight, labels, chunk_size)
+    losses = _VocabParallelCrossEntropy.apply(  # type: ignore[no-untyped-call]
+        shard.hidden, shard.weight, shard.labels, shard.vocab_start, shard.group, chunk_size
+    )
+    assert isinstance(losses, torch.Tensor)
+    return losses.view(labels.shape)
+
+
+@dataclass(frozen=True)
+class LocalShardInputs:
+    """This rank's view of a vocabulary-parallel loss: flat replicated `hidden` `(N, H)` (its gradient is summed
+    over the ranks), the local `weight` rows starting at `vocab_start`, flat `labels`, the tp group."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    labels: torch.Tensor
+    vocab_start: int
+    group: dist.ProcessGroup
+
+
+def local_shard_inputs(
+    hidden: torch.Tensor, weight: DTensor, labels: torch.Tensor, chunk_size: int
+) -> LocalShardInputs:
     mesh = _vocab_mesh(weight)
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     full_hidden = _replicated_local(hidden, mesh)
     local_weight = weight.to_local()
-    vocab_start = mesh.get_local_rank() * local_weight.shape[0]
-    shape = labels.shape
     flat_hidden = full_hidden.reshape(-1, full_hidden.shape[-1])
     flat_labels = labels.reshape(-1)
     if flat_hidden.shape[0] != flat_labels.shape[0]:
-        raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(shape)} disagree on the token count")
-    losses = _VocabParallelCrossEntropy.apply(  # type: ignore[no-untyped-call]
-        flat_hidden, local_weight, flat_labels, vocab_start, mesh.get_group(), chunk_size
+        raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} disagree on the token count")
+    return LocalShardInputs(
+        hidden=flat_hidden,
+        weight=local_weight,
+        labels=flat_labels,
+        vocab_start=mesh.get_local_rank() * local_weight.shape[0],
+        group=mesh.get_group(),
     )
-    assert isinstance(losses, torch.Tensor)
-    return losses.view(shape)
 
 
 @torch.no_grad()
@@ -170,18 +194,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         lse = torch.zeros(tokens, dtype=torch.float32, device=hidden.device)
         losses = torch.zeros_like(lse)
         valid = labels != IGNORE_INDEX
-        local_targets, owned = _local_targets(labels, vocab_start, local_vocab)
+        local_targets, owned = shard_targets(labels, vocab_start, local_vocab)
         for start in range(0, tokens, chunk_size):
             stop = min(start + chunk_size, tokens)
             logits = (hidden[start:stop] @ weight.T).float()
-            row_max = logits.max(dim=-1).values
-            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-            sum_exp = torch.exp(logits - row_max[:, None]).sum(dim=-1)
-            dist.all_reduce(sum_exp, group=group)
-            target = logits.gather(1, local_targets[start:stop, None]).squeeze(1)
-            target = torch.where(owned[start:stop], target, 0.0)
-            dist.all_reduce(target, group=group)
-            chunk_lse = row_max + torch.log(sum_exp)
+            chunk_lse, target = chunk_lse_and_target(logits, local_targets[start:stop], owned[start:stop], group)
             lse[start:stop] = chunk_lse
             losses[start:stop] = torch.where(valid[start:stop], chunk_lse - target, 0.0)
         ctx.save_for_backward(hidden, weight, labels, lse)
@@ -192,7 +209,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx: Any, grad_losses: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, labels, lse = ctx.saved_tensors
         chunk_size: int = ctx.chunk_size
-        local_targets, owned = _local_targets(labels, ctx.vocab_start, weight.shape[0])
+        local_targets, owned = shard_targets(labels, ctx.vocab_start, weight.shape[0])
         scale = torch.where(labels != IGNORE_INDEX, grad_losses.float(), 0.0)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
@@ -209,7 +226,21 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
 
 
-def _local_targets(labels: torch.Tensor, vocab_start: int, local_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+def chunk_lse_and_target(
+    logits: torch.Tensor, local_targets: torch.Tensor, owned: torch.Tensor, group: dist.ProcessGroup
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole vocabulary's log-sum-exp and target logit of a chunk's float32 local logits `(rows, vocab/tp)`:
+    three `(rows,)` all-reduces over the tp group (row max, rescaled sum of exponentials, target logit)."""
+    row_max = logits.max(dim=-1).values
+    dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+    sum_exp = torch.exp(logits - row_max[:, None]).sum(dim=-1)
+    dist.all_reduce(sum_exp, group=group)
+    target = torch.where(owned, logits.gather(1, local_targets[:, None]).squeeze(1), 0.0)
+    dist.all_reduce(target, group=group)
+    return row_max + torch.log(sum_exp), target
+
+
+def shard_targets(labels: torch.Tensor, vocab_start: int, local_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each label as a row of this rank's slice (clamped into range) and whether this rank owns it."""
     local = labels - vocab_start
     owned = (labels != IGNORE_INDEX) & (local >= 0) & (local < local_vocab)

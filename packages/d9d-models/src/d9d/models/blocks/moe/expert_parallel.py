@@ -30,6 +30,7 @@ def parallelize_experts(
     *,
     mixed_precision: MixedPrecision | None = None,
     reshard_after_forward: bool = True,
+    offload: bool = False,
 ) -> list[MoELayer]:
     """Shard the experts of every MoE layer of `model` over the `ep` ranks and give each layer its dispatcher.
 
@@ -65,6 +66,7 @@ def parallelize_experts(
             shard_dim=shard_dim,
             mixed_precision=mixed_precision,
             reshard_after_forward=reshard,
+            offload=offload,
         )
         layers.append(module)
     return layers
