@@ -18,6 +18,8 @@
 #   ablation : bench/trainer_step.py --ablation dense, then moe (each lever alone, then all combined)
 #   profile  : ablation rows (PROFILE_ROWS) with a Chrome trace each and its summary (where the step's time goes)
 #   losscurve: bench/loss_curve.py, 200 steps of the baseline vs the combined configuration
+#   hostwork : bench/step_host_overhead.py on one GPU (single, fsdp, replicate), each after its baseline when
+#              HOSTWORK_BASELINE names a folder holding an older `packages/` tree; then this change's GPU tests
 #   fusedloss: the fused loss with gradients in forward (design 0023): kernel rows at chunks 2048 and 4096, its
 #              GPU tests, then dense ablation rows 7 (in forward), 13 (recomputed in backward: the old path), 14
 #              (chunk 4096)
@@ -144,6 +146,17 @@ for part in "$@"; do case $part in
   losscurve)  # 200 steps of the baseline and the "all" row (LOSS_ROW=index), max relative loss-curve deviation
     for model in ${LOSS_MODELS:-dense}; do
       run 0 ${LOSS_SECONDS:-290} losscurve.log bench/loss_curve.py --model $model --fast ${LOSS_ROW:-6}; done ;;
+  hostwork)  # the step's host work outside forward/backward; baseline: HOSTWORK_BASELINE=.baseline, made beforehand
+    # with `git archive <commit> packages | tar -x -C .baseline` in the repository (untracked, so it travels)
+    for dp in single fsdp replicate; do
+      if [ -n "${HOSTWORK_BASELINE:-}" ]; then
+        echo "# baseline: $HOSTWORK_BASELINE"
+        PYTHONPATH=/tmp/site:$(ls -d "$PWD/$HOSTWORK_BASELINE"/packages/*/src | tr '\n' ':')$PWD/flows/src \
+          run 0 120 hostwork.log bench/step_host_overhead.py --device cuda --data-parallel $dp
+      fi
+      run 0 120 hostwork.log bench/step_host_overhead.py --device cuda --data-parallel $dp; done
+    python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/core/test_gpu_nccl.py tests/parallel/test_gpu_grad_norm.py \
+      2>&1 | tail -8 ;;
   deepep)
     if [ -f /tmp/deepep.done ]; then tail -20 /tmp/deepep.log; cp /tmp/deepep.log "$out/"
       python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/parallel/test_gpu_expert_dispatch.py 2>&1 | tail -8

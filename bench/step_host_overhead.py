@@ -13,10 +13,12 @@ machine the minimum is the steadier estimate of host work).
     python bench/step_host_overhead.py                         # CPU, the tiny 28-layer dense model
     python bench/step_host_overhead.py --device cuda           # one GPU (torch AdamW fused)
     python bench/step_host_overhead.py --data-parallel fsdp    # FSDP2 over one rank instead of no FSDP
+    python bench/step_host_overhead.py --data-parallel replicate  # the bucketed all-reduce (one replica)
 
 Phases (one step, in order):
 - `before begin_step`: the token count, its sum over ranks and zeroing the gradients;
 - `begin_step`: the gradient sync's step start;
+- `wait`: the gradient sync's end of step (replicate: the buckets' reductions, here over one replica);
 - `clip: parameter list`: from the end of forward/backward to the clipper call (the loop's list of gradients);
 - `clip: norm + scale`: the clipper (`d9d.parallel.clip_grad_norm_`, no host read of the norm inside);
 - `guard`: the non-finite guard's host reads of the norm and the loss (on a GPU: waits for backward to finish);
@@ -24,8 +26,8 @@ Phases (one step, in order):
 - `after the optimizer`: LR step, metrics, `StepFinished`;
 - `between steps`: the preemption check, the GC and checkpoint checks, up to the next step's start.
 
-Totals: `bookkeeping` (the phases that launch no kernels: before begin_step, begin_step, the clip list, between
-steps) and `+ clip norm, optimizer.step`.
+Totals: `bookkeeping` (the phases that launch no kernels but a replicate bucket's zeroing: before begin_step,
+begin_step, wait, the clip list, between steps) and `+ clip norm, optimizer.step`.
 """
 
 from __future__ import annotations
@@ -64,7 +66,14 @@ from d9d.core.loop.schedule import ScheduleResult
 from d9d.core.lr import ConstantScheduleConfig, build_lr_scheduler
 from d9d.models import materialize_
 from d9d.models.qwen3 import Qwen3DenseForCausalLM, parallelize_qwen3_dense
-from d9d.parallel import FsdpConfig, MixedPrecisionConfig, SingleDeviceConfig, clip_grad_norm_
+from d9d.parallel import (
+    AnyDataParallelConfig,
+    FsdpConfig,
+    MixedPrecisionConfig,
+    ReplicateConfig,
+    SingleDeviceConfig,
+    clip_grad_norm_,
+)
 
 # The dense anchor's parameter structure (28 layers: 311 parameter objects) at a size where compute is negligible.
 TINY_DENSE = DENSE.model_copy(
@@ -82,6 +91,7 @@ PHASES = [
     "before begin_step",
     "begin_step",
     "forward+backward",
+    "wait",
     "clip: parameter list",
     "clip: norm + scale",
     "guard",
@@ -91,7 +101,7 @@ PHASES = [
 ]
 # The loop's bookkeeping (no kernels), then everything outside forward/backward that launches kernels: on a CPU the
 # norm and the optimizer step are real compute, on a GPU their host time is the launches.
-BOOKKEEPING = ["before begin_step", "begin_step", "clip: parameter list", "between steps"]
+BOOKKEEPING = ["before begin_step", "begin_step", "wait", "clip: parameter list", "between steps"]
 OVERHEAD = [*BOOKKEEPING, "clip: norm + scale", "optimizer.step"]
 
 
@@ -160,6 +170,7 @@ def phases_of(stamps: Mapping[str, float]) -> dict[str, float]:
         "before begin_step": stamps["begin_step>"] - stamps["data<"],
         "begin_step": stamps["begin_step<"] - stamps["begin_step>"],
         "forward+backward": stamps["schedule<"] - stamps["schedule>"],
+        "wait": stamps["wait<"] - stamps["wait>"],
         "clip: parameter list": stamps["clip>"] - stamps["backward done"],
         "clip: norm + scale": stamps["clip<"] - stamps["clip>"],
         "guard": stamps["optimizer>"] - stamps["clip<"],
@@ -170,7 +181,7 @@ def phases_of(stamps: Mapping[str, float]) -> dict[str, float]:
 
 
 def measure(
-    *, device: str, data_parallel: Literal["single", "fsdp"], layers: int, warmup: int, steps: int
+    *, device: str, data_parallel: Literal["single", "fsdp", "replicate"], layers: int, warmup: int, steps: int
 ) -> tuple[dict[str, float], dict[str, float], int]:
     """Median and minimum host milliseconds per phase over `steps` timed steps after `warmup` steps."""
     params = TINY_DENSE.model_copy(update={"num_layers": layers})
@@ -184,11 +195,14 @@ def measure(
         # float32 parameters, gradients accumulated in float32: torch AdamW needs gradients in the parameters'
         # dtype; the reduce dtype still makes the single-device sync manage `grad_dtype` as in bf16 training.
         precision = MixedPrecisionConfig(param_dtype=None, reduce_dtype="float32")
-        config = (
-            SingleDeviceConfig(mixed_precision=precision)
-            if data_parallel == "single"
-            else FsdpConfig(mixed_precision=precision)
-        )
+        config: AnyDataParallelConfig
+        match data_parallel:
+            case "single":
+                config = SingleDeviceConfig(mixed_precision=precision)
+            case "fsdp":
+                config = FsdpConfig(mixed_precision=precision)
+            case "replicate":
+                config = ReplicateConfig(mixed_precision=precision)
         sync = parallelize_qwen3_dense(model, ctx, config)
         materialize_(model, ctx.device)
         return BuiltModel(model=model, gradient_sync=TimedSync(sync, stamps))
@@ -240,7 +254,7 @@ def measure(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--data-parallel", choices=["single", "fsdp"], default="single")
+    parser.add_argument("--data-parallel", choices=["single", "fsdp", "replicate"], default="single")
     parser.add_argument("--layers", type=int, default=DENSE.num_layers)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=30)

@@ -9,7 +9,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from d9d.core.dist import DistributedContext, LaunchEnvironment, MeshDegrees, MeshDomain, resolve_device_type
+from d9d.core.dist import (
+    DistributedContext,
+    LaunchEnvironment,
+    MeshDegrees,
+    MeshDomain,
+    moves_cpu_tensors,
+    resolve_device_type,
+)
 from d9d.core.testing import RankFailure, run_on_ranks
 
 
@@ -177,6 +184,7 @@ def test_the_control_group_all_reduces_cpu_tensors_over_every_rank():
     assert group is not None
     assert group.size() == 2
     assert group == dist.group.WORLD  # the harness's gloo default group already moves CPU tensors: no new group
+    assert moves_cpu_tensors() and moves_cpu_tensors(ctx.mesh_for(MeshDomain.BATCH).get_group("dp"))
     flag = torch.tensor([ctx.rank + 1], dtype=torch.int32)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     assert flag.item() == 2
@@ -187,7 +195,7 @@ def test_a_default_group_without_gloo_gets_a_gloo_control_group():
     # What a launcher's plain `nccl` default group gets; built here over the harness's gloo world (no NCCL on a CPU).
     from d9d.core.dist.context import _host_control_group
 
-    group = _host_control_group("nccl", timedelta(seconds=30))
+    group = _host_control_group(False, timedelta(seconds=30))
     assert group != dist.group.WORLD
     assert dist.get_backend(group) == "gloo"
     assert group.size() == 2

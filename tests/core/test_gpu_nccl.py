@@ -86,3 +86,30 @@ def test_preemption_agreement_never_synchronises_the_gpu():
 
     results = run_on_ranks(world, body, init_process_group=False, timeout_seconds=120)
     assert results == [(False, True, world == 1)] * world
+
+
+def test_token_count_sum_over_nccl_ranks_never_synchronises_the_gpu():
+    """The Trainer's per-step sums (`sum_over` on the token group) go through gloo on the host: the groups of the
+    context's meshes inherit its `cpu:gloo,cuda:nccl` backends, so no device tensor is read back."""
+    from d9d.core.dist import moves_cpu_tensors
+    from d9d.core.loop.reduce import sum_over, token_group
+
+    world = _gpu_world()
+    if world < 2:
+        pytest.skip("needs 2 GPUs: one process has no token group")
+
+    def body():
+        os.environ["D9D_DEVICE"] = "cuda"
+        with DistributedContext.build(MeshDegrees(dp_shard=-1)) as ctx:
+            group = token_group(ctx)
+            torch.ones(1, device=ctx.device)
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                sums = sum_over([float(ctx.rank), 2.0**50 + 1], group, ctx.device)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            return moves_cpu_tensors(group), sums
+
+    results = run_on_ranks(world, body, init_process_group=False, timeout_seconds=120)
+    expected = [float(sum(range(world))), world * (2.0**50 + 1)]
+    assert results == [(True, expected)] * world

@@ -3,7 +3,7 @@
 from d9d.core.dist.context import DEFAULT_TIMEOUT, DistributedContext
 from d9d.core.dist.degrees import DEGREE_NAMES, MeshDegrees
 from d9d.core.dist.domains import DomainLayout, MeshDomain, plan_domains
-from d9d.core.dist.environment import LaunchEnvironment, backend_for, resolve_device_type
+from d9d.core.dist.environment import LaunchEnvironment, backend_for, moves_cpu_tensors, resolve_device_type
 from d9d.core.dist.rank_logging import RankLoggerAdapter, build_rank_logger
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "RankLoggerAdapter",
     "backend_for",
     "build_rank_logger",
+    "moves_cpu_tensors",
     "plan_domains",
     "resolve_device_type",
 ]

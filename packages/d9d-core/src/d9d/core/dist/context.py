@@ -16,7 +16,13 @@ from torch._C._distributed_c10d import HashStore
 
 from d9d.core.dist.degrees import MeshDegrees
 from d9d.core.dist.domains import DomainLayout, MeshDomain, plan_domains
-from d9d.core.dist.environment import DeviceChoice, LaunchEnvironment, backend_for, resolve_device_type
+from d9d.core.dist.environment import (
+    DeviceChoice,
+    LaunchEnvironment,
+    backend_for,
+    moves_cpu_tensors,
+    resolve_device_type,
+)
 from d9d.core.dist.lifetime import die_with_launcher, launched_by_torchrun
 from d9d.core.dist.rank_logging import RankLoggerAdapter, build_rank_logger
 
@@ -103,7 +109,7 @@ class DistributedContext:
             for domain, layout in layouts.items()
         }
         # Group creation is collective: every rank makes it here, after the meshes, in the same order.
-        control_group = _host_control_group(str(dist.get_backend()), timeout) if launch.world_size > 1 else None
+        control_group = _host_control_group(moves_cpu_tensors(), timeout) if launch.world_size > 1 else None
         return cls(
             degrees=resolved,
             launch=launch,
@@ -226,10 +232,10 @@ class DistributedContext:
         return f"DistributedContext(rank={self.rank}, world_size={self.world_size}, {self.degrees.describe()})"
 
 
-def _host_control_group(default_backend: str, timeout: timedelta) -> dist.ProcessGroup:
+def _host_control_group(default_moves_cpu_tensors: bool, timeout: timedelta) -> dist.ProcessGroup:
     """The default group when it moves CPU tensors itself (gloo, or the `cpu:gloo,cuda:nccl` pair this context
     initialises), else a new gloo group over every rank (a launcher's plain `nccl` group). Collective."""
-    if "gloo" in default_backend:
+    if default_moves_cpu_tensors:
         world = dist.group.WORLD
         assert world is not None
         return world

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 
 DeviceChoice = Literal["auto", "cpu", "cuda"]
 DEVICE_ENV = "D9D_DEVICE"
@@ -83,3 +84,9 @@ def resolve_device_type(requested: DeviceChoice | None = None) -> Literal["cpu",
 def backend_for(device_type: Literal["cpu", "cuda"]) -> str:
     """NCCL for CUDA tensors (with gloo beside it for CPU-side objects), gloo on CPU."""
     return "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+
+
+def moves_cpu_tensors(group: dist.ProcessGroup | None = None) -> bool:
+    """Whether collectives over `group` (default: the default group) take CPU tensors: it has a gloo backend, alone
+    or beside NCCL (`backend_for('cuda')`; subgroups made without a backend inherit the default group's)."""
+    return "gloo" in str(dist.get_backend(group))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from d9d.core.dist import DistributedContext
+from d9d.core.dist import DistributedContext, moves_cpu_tensors
 from d9d.core.dist.domains import MeshDomain
 
 
@@ -31,13 +31,17 @@ def token_group(ctx: DistributedContext | None) -> dist.ProcessGroup | None:
 
 
 def sum_over(values: list[float], group: dist.ProcessGroup | None, device: torch.device | None = None) -> list[float]:
-    """Element-wise sums over `group`, in float64 (exact for token counts below 2**53), communicated on `device`
-    (the process group's device: CUDA for NCCL)."""
+    """Element-wise sums over `group`, in float64 (exact for token counts below 2**53).
+
+    Host numbers go through a CPU tensor when `group` moves CPU tensors (gloo, or the `cpu:gloo,cuda:nccl` pair the
+    context initialises on GPUs, which its meshes' groups inherit), else through one on `device` (a plain NCCL
+    group). On the host, the sum never waits for the device: at the start of a step a device round trip would wait
+    for the previous step's optimizer kernels, and the host could not queue the next forward behind them.
+    """
     if group is None:
-        # One process: the sums are the values. No device round trip, which would wait for every queued kernel
-        # (at the start of a step, for the previous step's optimizer) for nothing.
+        # One process: the sums are the values, no collective at all.
         return [float(value) for value in values]
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    tensor = torch.tensor(values, dtype=torch.float64, device=None if moves_cpu_tensors(group) else device)
     dist.all_reduce(tensor, group=group)
     return [float(value) for value in tensor.tolist()]
 
