@@ -212,7 +212,9 @@ def test_multi_tensor_adamw_step_gives_the_per_tensor_bits(layout, state_dtype):
     for shape, want, got in zip(shapes, per_tensor, multi, strict=True):
         for name, w, g in zip(("param", "grad", "exp_avg", "exp_avg_sq"), want, got, strict=True):
             bits = torch.int16 if w.dtype == torch.bfloat16 else torch.int32
-            assert torch.equal(g.contiguous().view(bits), w.contiguous().view(bits)), f"{name} {shape} differs"
+            differs = (g.contiguous().view(bits) != w.contiguous().view(bits)).sum().item()
+            gap = (g.float() - w.float()).abs().max().item() if g.numel() else 0.0
+            assert differs == 0, f"{name} {shape}: {differs} of {g.numel()} elements differ, by up to {gap:.3g}"
 
 
 def test_inductor_compiles_a_block_through_the_custom_ops():
