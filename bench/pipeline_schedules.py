@@ -33,6 +33,7 @@ from d9d.parallel import clip_grad_norm_
 from d9d.pipeline import ActivationSpec, PipelineConfig, PipelineStage, build_pipeline_schedule, pipeline_group
 from d9d.pipeline.program import replay
 from d9d.pipeline.runtime import executor as executor_module
+from trace_summary import union_length
 
 SCHEDULES = {
     "1f1b": {"kind": "1f1b"},
@@ -92,16 +93,6 @@ class Task:
 
     def activation_spec(self, batch, *, stage: PipelineStage) -> ActivationSpec:  # noqa: ANN001
         return ActivationSpec(shape=(*batch["input_ids"].shape, self.hidden), dtype=self.dtype)
-
-
-def merged_busy_seconds(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for start, stop in sorted(intervals):
-        if stop <= end:
-            continue
-        total += stop - max(start, end)
-        end = stop
-    return total
 
 
 def measure(ctx: DistributedContext, kind: str, args: argparse.Namespace) -> Row:
@@ -165,7 +156,7 @@ def measure(ctx: DistributedContext, kind: str, args: argparse.Namespace) -> Row
                 for event in prof.events()
                 if event.device_type.name == "CUDA"
             ]
-            busy.append(merged_busy_seconds(kernels) * 1e-6)
+            busy.append(union_length(kernels) * 1e-6)
             walls.append(wall)
     else:  # CPU: time inside the executor's compute actions
         intervals: list[tuple[float, float]] = []
@@ -181,7 +172,7 @@ def measure(ctx: DistributedContext, kind: str, args: argparse.Namespace) -> Row
             for _ in range(args.profile_steps):
                 intervals.clear()
                 walls.append(step())
-                busy.append(merged_busy_seconds(intervals))
+                busy.append(union_length(intervals))
         finally:
             executor_module.PipelineExecutor._compute = original  # type: ignore[method-assign]
     local_bubble = 1.0 - sum(busy) / sum(walls)

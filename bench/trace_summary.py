@@ -37,6 +37,7 @@ def family(name: str) -> str:
 
 
 def union_length(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by `intervals` (overlaps counted once)."""
     total, end = 0.0, float("-inf")
     for start, stop in sorted(intervals):
         if stop <= end:
