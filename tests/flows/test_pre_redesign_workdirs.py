@@ -120,3 +120,12 @@ def test_a_pipelined_pretrain_output_from_before_the_pipelined_export_says_how_t
         f"{output} and run the stage again (its training repeats)"
     )
     assert model_artifact(output, {"steps": 8, "model": "model"}) == str(output / "model")
+
+
+def test_model_fields_added_since_count_in_the_key_once_set():
+    plain = load_job_config(preset_name="micro", overrides=["workdir=/w"]).pretrain.key_config()
+    assert "compile_model" not in plain["model"]["decoder"]
+    compiled = load_job_config(
+        preset_name="micro", overrides=["workdir=/w", "pretrain.model.decoder.compile_model=true"]
+    ).pretrain.key_config()
+    assert compiled["model"]["decoder"]["compile_model"] is True

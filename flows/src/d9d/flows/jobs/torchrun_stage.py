@@ -33,6 +33,22 @@ JOB_FILE = "job.yaml"
 LOSSES_FILE = "losses.jsonl"
 LOG_FILE = "launch.log"
 KEY_FIELDS_SINCE_0009 = frozenset({"base", "base_mapping", "export_hf_peft"})
+# Model-section fields added since, with their defaults: left out of a key at the default, like the ones above.
+MODEL_KEY_FIELDS_SINCE_0009: dict[tuple[str, str], object] = {
+    ("decoder", "compile_model"): False,
+    ("decoder", "loss_gradients_in_forward"): False,
+}
+
+
+def model_key_config(model: dict[str, Any]) -> dict[str, Any]:
+    """A model section's JSON dump as a stage key holds it: `MODEL_KEY_FIELDS_SINCE_0009` left out at their defaults."""
+    for (section, name), default in MODEL_KEY_FIELDS_SINCE_0009.items():
+        fields = model.get(section)
+        if isinstance(fields, dict) and name in fields and fields[name] == default:
+            del fields[name]
+    return model
+
+
 _TAIL_BYTES = 4096  # longer than any loss record
 
 
@@ -58,12 +74,15 @@ class LaunchedStageConfig(RankTopology):
 
     def key_config(self) -> dict[str, Any]:
         """The fields that change what is computed: every field but the ones above. Fields added since a stage's
-        first release (`KEY_FIELDS_SINCE_0009`) count only when set, so outputs committed before them stay valid."""
+        first release (`KEY_FIELDS_SINCE_0009`, `MODEL_KEY_FIELDS_SINCE_0009`) count only when set, so outputs
+        committed before them stay valid."""
         key = self.model_dump(mode="json", exclude=set(LaunchedStageConfig.model_fields))
         defaults = type(self).model_fields
         for name in KEY_FIELDS_SINCE_0009 & key.keys():
             if getattr(self, name) == defaults[name].get_default(call_default_factory=True):
                 del key[name]
+        if isinstance(key.get("model"), dict):
+            key["model"] = model_key_config(key["model"])
         return key
 
 

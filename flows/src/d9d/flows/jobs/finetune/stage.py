@@ -39,7 +39,7 @@ from d9d.flows.jobs.pretrain.stage import (
 )
 from d9d.flows.jobs.progress import Progress
 from d9d.flows.jobs.stage_spec import PreflightError, StageSpec
-from d9d.flows.jobs.torchrun_stage import JOB_FILE, LOG_FILE, LOSSES_FILE, launch_training
+from d9d.flows.jobs.torchrun_stage import JOB_FILE, LOG_FILE, LOSSES_FILE, launch_training, model_key_config
 from d9d.models.catalogue import AnyModelConfig, model_config_for, read_parameters
 from d9d.models.conversions import named_mapping
 
@@ -116,7 +116,7 @@ def plan_finetune(config: FinetuneStageConfig, inputs: FinetuneInputs, output: P
         fingerprints += FileFingerprint.of_tree(inputs.base, prefix="base/", hidden=False)
     key_config = {
         **config.key_config(),
-        "model": inputs.model.model_dump(mode="json"),
+        "model": model_key_config(inputs.model.model_dump(mode="json")),
         "seq_len": inputs.seq_len,
     }
     key = StageKey(stage=STAGE_NAME, stage_version=STAGE_VERSION, config=key_config, inputs=tuple(fingerprints))
