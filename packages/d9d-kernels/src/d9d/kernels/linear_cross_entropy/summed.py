@@ -42,7 +42,8 @@ class SummedLoss:
     losses: torch.Tensor
 
 
-def _scaled(saved: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def scaled_gradient(saved: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`saved * scale` rounded once to `dtype` (a gradient computed in forward, times the sum's incoming one)."""
     # One kernel: multiply in the saved (float32 for the weight) precision, round once to the parameter's dtype.
     return torch.mul(saved, scale, out=torch.empty(saved.shape, dtype=dtype, device=saved.device))
 
@@ -75,9 +76,10 @@ def summed_function(compute: LossesAndGradients) -> type[torch.autograd.Function
             grad_hidden, grad_weight = ctx.saved_tensors
             want_input, want_weight = wanted_backward_halves()  # a pipeline's split backward uses one per pass
             hidden_dtype, weight_dtype = ctx.dtypes
+            want_input, want_weight = want_input and grad_hidden is not None, want_weight and grad_weight is not None
             return (
-                _scaled(grad_hidden, grad_total, hidden_dtype) if want_input and grad_hidden is not None else None,
-                _scaled(grad_weight, grad_total, weight_dtype) if want_weight and grad_weight is not None else None,
+                scaled_gradient(grad_hidden, grad_total, hidden_dtype) if want_input else None,
+                scaled_gradient(grad_weight, grad_total, weight_dtype) if want_weight else None,
                 None,
                 None,
                 None,
