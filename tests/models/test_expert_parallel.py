@@ -21,6 +21,7 @@ from ep_workload import (
     train,
 )
 from tiny import EAGER
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from d9d.core.checkpoint import JobCheckpointer, ModelAndOptimizer
@@ -93,8 +94,13 @@ def test_expert_parallel_training_matches_single_process(world_size, layout):
     experts = layers[0].experts.gate_proj.weight
     assert isinstance(experts, DTensor)
     # FSDP shards each ep shard again over ep_replicate (x tp under tensor parallelism), rounding up.
-    shards = degrees.ep * ctx.degrees.expert_replicate() * degrees.tp
-    assert experts.to_local().shape[0] * shards >= experts.shape[0]
+    efsdp = ctx.degrees.expert_replicate() * degrees.tp
+    assert experts.to_local().shape[0] * degrees.ep * efsdp >= experts.shape[0]
+    # At efsdp = 1 the experts are plain Shard(0) parameters over ep with no FSDP unit (docs/design/0025).
+    assert isinstance(layers[0].experts, FSDPModule) == (efsdp > 1)
+    if efsdp == 1:
+        assert experts.device_mesh.mesh_dim_names == ("ep",)
+        assert experts.to_local().shape[0] * degrees.ep == experts.shape[0]
     trace = train(model, optimizer_for(model), range(STEPS), ctx=ctx, sync=sync)
     reference, reference_trace = _reference(range(STEPS))
     _assert_same_training(trace, reference_trace)
