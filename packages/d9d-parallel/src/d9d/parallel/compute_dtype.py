@@ -17,24 +17,32 @@ from torch import nn
 
 
 class _ComputeDtypeCast:
-    """The hooks' state: which attribute of which submodule holds which parameter."""
+    """The hooks' state: which attribute of which submodule holds a floating parameter. The parameters themselves are
+    looked up at each forward, since materialising a meta-device module may replace the Parameter objects."""
 
     def __init__(self, module: nn.Module, dtype: torch.dtype) -> None:
         self.dtype = dtype
-        self.slots: list[tuple[nn.Module, str, nn.Parameter]] = []
+        self.slots: list[tuple[nn.Module, str]] = []
         for name, param in module.named_parameters():
             owner_name, _, attribute = name.rpartition(".")
             if param.dtype != dtype and param.is_floating_point():
-                self.slots.append((module.get_submodule(owner_name), attribute, param))
+                self.slots.append((module.get_submodule(owner_name), attribute))
+        self.swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
 
     def cast(self, module: nn.Module, args: Any) -> None:
-        for owner, attribute, param in self.slots:
+        self.restore(module, args, None)  # a forward that never reached its post-hook left nothing behind, but be sure
+        for owner, attribute in self.slots:
+            param = owner._parameters[attribute]
+            if param is None or param.dtype == self.dtype or not isinstance(param, nn.Parameter):
+                continue
+            self.swapped.append((owner, attribute, param))
             # Bypasses nn.Module.__setattr__, which accepts only Parameters there (as torch.func.functional_call).
             owner._parameters[attribute] = param.to(self.dtype)  # type: ignore[assignment]
 
     def restore(self, module: nn.Module, args: Any, output: Any) -> None:
-        for owner, attribute, param in self.slots:
+        for owner, attribute, param in self.swapped:
             owner._parameters[attribute] = param
+        self.swapped.clear()
 
 
 def cast_parameters_in_forward(module: nn.Module, dtype: torch.dtype | None) -> None:
