@@ -56,7 +56,7 @@ def test_experts_at_efsdp_1_have_no_fsdp_unit_and_train_in_mixed_precision():
     assert unit is None and not isinstance(block.experts, FSDPModule) and isinstance(block, FSDPModule)
     assert isinstance(weight, DTensor) and weight.device_mesh.mesh_dim_names == ("ep",)
     assert weight.placements == (Shard(0),) and weight.dtype == torch.float32
-    assert placed_by(weight) == "expert parallelism"
+    assert placed_by(block.experts, "weight") == "expert parallelism"
     # The dense unit sharded its own parameter over the dense data ranks, and only that one.
     assert isinstance(block.dense.weight, DTensor) and block.dense.weight.device_mesh.mesh_dim_names == ("dp_cp_shard",)
 

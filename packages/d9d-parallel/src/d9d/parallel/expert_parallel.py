@@ -114,8 +114,9 @@ def shard_experts(
         sharded = distribute_tensor(param.detach(), ep_mesh, [Shard(0)])
         setattr(owner, attribute, nn.Parameter(sharded, requires_grad=param.requires_grad))
     if mesh[shard_dim].size() == 1 and not offload:
-        for param in module.parameters():
-            mark_placed(param, EXPERT_PARALLEL)
+        for name, _ in module.named_parameters():
+            owner_name, _, attribute = name.rpartition(".")
+            mark_placed(module.get_submodule(owner_name), attribute, EXPERT_PARALLEL)
         cast_parameters_in_forward(module, mixed_precision.param_dtype if mixed_precision else None)
         return None
     return parallelize_fsdp(
