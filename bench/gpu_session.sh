@@ -93,7 +93,7 @@ for part in "$@"; do case $part in
       --profile-steps 2 --budget-seconds $(( ${EP_SECONDS:-300} - 15 )) --trace-dir "$out/traces"
     for trace in "$out"/traces/expert_parallel-*.json.gz; do
       echo "## $(basename "$trace")"
-      timeout 30 python3 bench/trace_summary.py "$trace" --top 6 --gap-ms 2 > "${trace%.json.gz}.summary.txt" 2>&1
+      timeout 20 python3 bench/trace_summary.py "$trace" --top 6 --gap-ms 2 > "${trace%.json.gz}.summary.txt" 2>&1
       head -14 "${trace%.json.gz}.summary.txt" | cut -c1-200
     done ;;
   ep4)  # issue 15's goal rows: the MoE anchor's 1-GPU figure, then FSDP-only, ep=4 and DeepEP on 4 GPUs
