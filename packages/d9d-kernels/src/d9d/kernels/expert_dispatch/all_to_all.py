@@ -3,9 +3,12 @@
 dispatch: sort this rank's token copies by global expert (experts are contiguous per rank, so this also groups them
 by destination), exchange the `(ranks, local experts)` count matrix, send the rows with variable splits, and reorder
 what arrived from (source rank, local expert) to local-expert-major. combine: the same steps backwards, then the
-combine weights on the rank that owns the tokens. One device-to-host copy per dispatch (the split sizes); the rows
-to send are gathered before it, so the device works while the host waits. Every reordering is a gather whose
-backward is the inverse gather (`permute_rows`), never a scatter-add.
+combine weights on the rank that owns the tokens. One device-to-host copy per dispatch (both count matrices); the
+rows to send are gathered before it, so the device works while the host waits. The host then derives the split
+lists, the local experts' group sizes and each `(source rank, local expert)` block's offset in the local-expert-major
+order, so the reorder is a `repeat_interleave` of 64-odd offsets rather than a second sort (design 0025: the forward
+is host-bound, every launched op counts). Every reordering is a gather whose backward is the inverse gather
+(`permute_rows`), never a scatter-add.
 """
 
 from __future__ import annotations
@@ -64,8 +67,38 @@ class _AllToAllHandle:
     expert_weights: torch.Tensor
     send_splits: list[int]
     recv_splits: list[int]
-    local_order: torch.Tensor
-    local_inverse: torch.Tensor
+    local_order: torch.Tensor | None  # None: the received order is already local-expert-major
+    local_inverse: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class _ExchangePlan:
+    """What the host derives from the `(ranks, local experts)` send and receive count matrices."""
+
+    send_splits: list[int]
+    recv_splits: list[int]
+    block_delta: list[int]  # row-major `(r, e)`: target start (local-expert-major) minus received start
+    group_sizes: list[int]  # rows per local expert
+    num_received: int
+
+    @staticmethod
+    def from_counts(send: list[list[int]], recv: list[list[int]]) -> _ExchangePlan:
+        num_ranks, num_local = len(recv), len(recv[0])
+        received_start, cursor = [[0] * num_local for _ in range(num_ranks)], 0
+        for r in range(num_ranks):
+            for e in range(num_local):
+                received_start[r][e], cursor = cursor, cursor + recv[r][e]
+        delta, cursor = [0] * (num_ranks * num_local), 0
+        for e in range(num_local):
+            for r in range(num_ranks):
+                delta[r * num_local + e], cursor = cursor - received_start[r][e], cursor + recv[r][e]
+        return _ExchangePlan(
+            send_splits=[sum(row) for row in send],
+            recv_splits=[sum(row) for row in recv],
+            block_delta=delta,
+            group_sizes=[sum(recv[r][e] for r in range(num_ranks)) for e in range(num_local)],
+            num_received=cursor,
+        )
 
 
 class AllToAllDispatcher:
@@ -88,35 +121,41 @@ class AllToAllDispatcher:
         dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=self.group)
         # Every copy in sorted order (dropped ones last): queued before the sync below, which it does not need.
         copies = gather_sorted_rows(x, sort, top_k)
-        # One host copy for both split lists (they size the exchange and the received buffer).
-        splits = torch.stack([send_counts.sum(dim=1), recv_counts.sum(dim=1)]).tolist()
-        send_splits, recv_splits = [int(n) for n in splits[0]], [int(n) for n in splits[1]]
-        num_sent = sum(send_splits)
+        # The one host copy of the dispatch: both count matrices. The host derives everything else the exchange and
+        # the local reorder need from them (split lists, block offsets, group sizes) instead of launching device ops.
+        counts = torch.cat([send_counts, recv_counts]).tolist()
+        plan = _ExchangePlan.from_counts(counts[: self.num_ranks], counts[self.num_ranks :])
+        num_sent = sum(plan.send_splits)
         sent = copies if num_sent == copies.shape[0] else copies[:num_sent]  # a slice's backward would copy
-        received = all_to_all(sent, recv_splits, send_splits, self.group)
-        # Received rows are ordered by (source rank, local expert); the experts want local-expert-major.
-        local_expert = torch.repeat_interleave(
-            torch.arange(self.num_local_experts, device=x.device).repeat(self.num_ranks),
-            recv_counts.reshape(-1),
-            output_size=sum(recv_splits),  # known already: no second device-to-host sync
-        )
-        local_order = torch.argsort(local_expert, stable=True)
-        local_inverse = torch.empty_like(local_order)
-        local_inverse[local_order] = torch.arange(local_order.numel(), device=local_order.device)
+        received = all_to_all(sent, plan.recv_splits, plan.send_splits, self.group)
+        # Received rows are ordered by (source rank, local expert); the experts want local-expert-major. Row `i` of
+        # block `(r, e)` moves by that block's offset `delta[r, e]`: no sort, one small host-to-device copy.
+        aux = torch.tensor(plan.block_delta + plan.group_sizes, dtype=torch.int64, device=x.device)
+        num_blocks = len(plan.block_delta)
+        local_order: torch.Tensor | None = None
+        local_inverse: torch.Tensor | None = None
+        rows = received
+        if any(plan.block_delta):  # all zero with one rank or one local expert: nothing to reorder
+            positions = torch.arange(plan.num_received, device=x.device)
+            shift = torch.repeat_interleave(aux[:num_blocks], recv_counts.reshape(-1), output_size=plan.num_received)
+            local_inverse = positions + shift
+            local_order = torch.empty_like(local_inverse).scatter_(0, local_inverse, positions)
+            rows = permute_rows(received, local_order, local_inverse)
         handle = _AllToAllHandle(
             sort=sort,
             expert_weights=expert_weights,
-            send_splits=send_splits,
-            recv_splits=recv_splits,
+            send_splits=plan.send_splits,
+            recv_splits=plan.recv_splits,
             local_order=local_order,
             local_inverse=local_inverse,
         )
-        rows = permute_rows(received, local_order, local_inverse)
-        return DispatchedTokens(rows=rows, group_sizes=recv_counts.sum(dim=0), handle=handle)
+        return DispatchedTokens(rows=rows, group_sizes=aux[num_blocks:], handle=handle)
 
     def combine(self, rows: torch.Tensor, dispatched: DispatchedTokens) -> torch.Tensor:
         handle = dispatched.handle
         assert isinstance(handle, _AllToAllHandle), "combine() needs the DispatchedTokens of this dispatcher"
-        by_source = permute_rows(rows, handle.local_inverse, handle.local_order)
+        by_source = rows
+        if handle.local_inverse is not None and handle.local_order is not None:
+            by_source = permute_rows(rows, handle.local_inverse, handle.local_order)
         returned = all_to_all(by_source, handle.send_splits, handle.recv_splits, self.group)
         return weighted_unsort(returned, handle.sort, handle.expert_weights)

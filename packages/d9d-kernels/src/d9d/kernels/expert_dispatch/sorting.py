@@ -34,12 +34,18 @@ def sort_by_expert(expert_indices: torch.Tensor, num_experts: int, *, may_drop: 
     a valid expert.
     """
     flat = expert_indices.reshape(-1)
-    key = torch.where(flat >= 0, flat, torch.full_like(flat, num_experts)) if may_drop else flat
+    # -1 mod (E + 1) == E: dropped copies get the key after every expert, in one elementwise op.
+    key = flat.remainder(num_experts + 1) if may_drop else flat
     order = torch.argsort(key, stable=True)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
+    inverse = inverse_permutation(order)
     group_sizes = count_per_expert(key, num_experts + 1)[:num_experts]
     return ExpertOrder(order=order, inverse=inverse, group_sizes=group_sizes)
+
+
+def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
+    """`inverse[order[j]] == j`, one scatter (cheaper to launch than `inverse[order] = arange`, an `index_put_`)."""
+    positions = torch.arange(order.numel(), device=order.device, dtype=order.dtype)
+    return torch.empty_like(order).scatter_(0, order, positions)
 
 
 def count_per_expert(flat_indices: torch.Tensor, num_experts: int) -> torch.Tensor:
