@@ -62,7 +62,12 @@ from torch.profiler import ProfilerActivity, profile
 from anchor_models import MOE, MOE_BATCH, tiny
 from d9d.core.dist import DistributedContext, MeshDegrees
 from d9d.core.optim import StochasticAdamW
-from d9d.kernels.expert_dispatch import AllToAllDispatchConfig, AnyExpertDispatchConfig, DeepEpDispatchConfig
+from d9d.kernels.expert_dispatch import (
+    AllToAllDispatchConfig,
+    AllToAllDispatcher,
+    AnyExpertDispatchConfig,
+    DeepEpDispatchConfig,
+)
 from d9d.kernels.grouped_mm import GROUPED_MM_CONFIG_ADAPTER
 from d9d.models import DecoderConfig, materialize_
 from d9d.models.qwen3 import Qwen3MoeForCausalLM, Qwen3MoeParameters, parallelize_qwen3_moe
@@ -152,8 +157,8 @@ def build_optimizer(model: torch.nn.Module, kind: str, device: torch.device) -> 
 
 def build_step(
     mode: str, layout: str, ctx: DistributedContext, params: Qwen3MoeParameters, args: argparse.Namespace
-) -> tuple[Callable[[], None], int]:
-    """The training step of `mode` on this rank, and the tokens it trains on."""
+) -> tuple[Callable[[], None], int, torch.nn.Module]:
+    """The training step of `mode` on this rank, the tokens it trains on, and the model."""
     device = ctx.device
     batch, seq = (2, 64) if args.tiny else MOE_BATCH
     grouped_mm = GROUPED_MM_CONFIG_ADAPTER.validate_json(args.grouped_mm) if args.grouped_mm else None
@@ -176,7 +181,19 @@ def build_step(
         clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
 
-    return step, tokens
+    return step, tokens, model
+
+
+def routing_imbalance(model: torch.nn.Module, device: torch.device) -> list[float] | None:
+    """Per MoE layer, max over ranks / mean over ranks of the rows its experts received (all-to-all modes only)."""
+    layers = [m.dispatcher for m in model.modules() if isinstance(getattr(m, "dispatcher", None), AllToAllDispatcher)]
+    if not layers or not dist.is_initialized():
+        return None
+    received = torch.tensor([float(d.rows_received) for d in layers], device=device)
+    gathered = [torch.empty_like(received) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, received)
+    stacked = torch.stack(gathered)
+    return (stacked.max(dim=0).values / stacked.mean(dim=0).clamp(min=1.0)).tolist()
 
 
 def synchronize(device: torch.device) -> None:
@@ -327,13 +344,18 @@ def main() -> None:
             continue
         ctx = DistributedContext.build(MeshDegrees(dp_shard=-1, ep=ep), device=args.device)
         step: Callable[[], None] | None = None
+        model: torch.nn.Module | None = None
         try:
-            step, tokens = build_step(mode, layout, ctx, params, args)
+            step, tokens, model = build_step(mode, layout, ctx, params, args)
             result = time_steps(label, ctx, step, tokens, args)
             emit(
                 f"| {label} (ep={result.ep}) | {world} | {result.tokens_per_second_per_gpu:,.0f} "
                 f"| {result.peak_gib:.1f} GiB | {result.median_seconds * 1000:.0f} ms |"
             )
+            imbalance = routing_imbalance(model, ctx.device)
+            if imbalance is not None:
+                per_layer = " ".join(f"{value:.2f}" for value in imbalance)
+                emit(f"#   {label}: rows received, max/mean over ranks per MoE layer: {per_layer}")
             emit(f"<!-- {json.dumps(asdict(result))} -->")
             needed = (args.profile_steps + PROFILE_OVERHEAD_STEPS) * result.median_seconds + PROFILE_OVERHEAD_SECONDS
             left = args.budget_seconds - (time.monotonic() - started)
@@ -348,7 +370,7 @@ def main() -> None:
         except Exception as error:  # noqa: BLE001 - report and go on to the next mode
             emit(f"| {label} | {world} | failed: {type(error).__name__}: {str(error)[:300]} | | |")
         finally:
-            step = None  # the model and optimizer go before the next mode builds its own
+            step = model = None  # the model and optimizer go before the next mode builds its own
             if args.device == "cuda":
                 torch.cuda.empty_cache()
     if dist.is_initialized():

@@ -111,6 +111,9 @@ class AllToAllDispatcher:
         self.num_ranks = dist.get_world_size(group)
         self.num_experts = num_experts
         self.num_local_experts = split_experts(num_experts, self.num_ranks)
+        # Rows this rank's experts received over every dispatch so far (known on the host for free): under EP the
+        # busiest rank sets every rank's pace, so benchmarks compare it across ranks (routing imbalance).
+        self.rows_received = 0
 
     def dispatch(self, x: torch.Tensor, expert_indices: torch.Tensor, expert_weights: torch.Tensor) -> DispatchedTokens:
         check_routing(x, expert_indices, expert_weights)
@@ -125,6 +128,7 @@ class AllToAllDispatcher:
         # the local reorder need from them (split lists, block offsets, group sizes) instead of launching device ops.
         counts = torch.cat([send_counts, recv_counts]).tolist()
         plan = _ExchangePlan.from_counts(counts[: self.num_ranks], counts[self.num_ranks :])
+        self.rows_received += plan.num_received
         num_sent = sum(plan.send_splits)
         sent = copies if num_sent == copies.shape[0] else copies[:num_sent]  # a slice's backward would copy
         received = all_to_all(sent, plan.recv_splits, plan.send_splits, self.group)
