@@ -42,7 +42,7 @@ def _routing(args: argparse.Namespace, rank: int, seed: int) -> tuple[torch.Tens
     x = torch.randn(args.tokens, args.hidden, generator=generator, requires_grad=True)
     scores = torch.rand(args.tokens, args.experts, generator=generator)
     weights, indices = scores.topk(args.top_k, dim=-1)
-    weights.requires_grad_(requires_grad=True)
+    weights.requires_grad_(True)  # noqa: FBT003 - torch's signature
     return x, indices, weights
 
 

@@ -186,7 +186,11 @@ def build_step(
 
 def routing_imbalance(model: torch.nn.Module, device: torch.device) -> list[float] | None:
     """Per MoE layer, max over ranks / mean over ranks of the rows its experts received (all-to-all modes only)."""
-    layers = [m.dispatcher for m in model.modules() if isinstance(getattr(m, "dispatcher", None), AllToAllDispatcher)]
+    layers: list[AllToAllDispatcher] = []
+    for module in model.modules():
+        dispatcher = getattr(module, "dispatcher", None)
+        if isinstance(dispatcher, AllToAllDispatcher):
+            layers.append(dispatcher)
     if not layers or not dist.is_initialized():
         return None
     received = torch.tensor([float(d.rows_received) for d in layers], device=device)
