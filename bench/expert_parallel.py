@@ -18,7 +18,11 @@ LM head), each listed layout a row of its own:
 - `whole`: two FSDP units (the decoder stack `model`, and the LM head with the root), not resharded after forward:
   one all-gather per unit per step and one reduce-scatter per unit at the end of its backward, nothing per layer.
   The dense parameters of the MoE anchor are 0.36 B (0.31 B of them the embedding and the LM head), so holding them
-  unsharded costs 0.7 GiB of bf16.
+  unsharded costs 0.7 GiB of bf16. The root's reduce-scatter (the LM head's float32 gradient, 0.6 GB) runs after
+  the whole backward, exposed (design 0025: 6 ms of the ep=4 step's tail on 4 x H200);
+- `split`: `whole` with the LM head a unit of its own: its post-backward fires right after its backward (the first
+  of the step), so its reduce-scatter overlaps the decoder layers' backward; only the decoder stack's (embedding and
+  layers) stays at the end. Same unsharded memory as `whole`.
 
 Every mode uses the same optimizer (`--optimizer`): by default `StochasticAdamW(fused=True)` with d9d-kernels'
 multi-tensor Triton step (float32 parameters, so exactly AdamW's update; one launch per bucket rather than a dozen
@@ -69,7 +73,7 @@ from d9d.kernels.expert_dispatch import (
     DeepEpDispatchConfig,
 )
 from d9d.kernels.grouped_mm import GROUPED_MM_CONFIG_ADAPTER
-from d9d.models import DecoderConfig, materialize_
+from d9d.models import DecoderConfig, Role, materialize_
 from d9d.models.qwen3 import Qwen3MoeForCausalLM, Qwen3MoeParameters, parallelize_qwen3_moe
 from d9d.parallel import FsdpConfig, MixedPrecisionConfig, clip_grad_norm_
 
@@ -90,7 +94,7 @@ PROFILE_OVERHEAD_STEPS = 20
 PROFILE_OVERHEAD_SECONDS = 10.0
 
 
-DENSE_LAYOUTS = ("layers", "whole")
+DENSE_LAYOUTS = ("layers", "whole", "split")
 # `whole`: the decoder stack (`model`: embedding, layers, final norm) is one unit, the root (LM head) the other.
 WHOLE_DENSE_UNITS = ["model"]
 
@@ -134,6 +138,13 @@ def data_parallel_config(layout: str, mixed: MixedPrecisionConfig | None) -> Fsd
             return FsdpConfig(mixed_precision=mixed)
         case "whole":
             return FsdpConfig(mixed_precision=mixed, units=WHOLE_DENSE_UNITS, reshard_after_forward=False)
+        case "split":
+            return FsdpConfig(
+                mixed_precision=mixed,
+                units=WHOLE_DENSE_UNITS,
+                unit_roles=[str(Role.LM_HEAD)],
+                reshard_after_forward=False,
+            )
         case _:
             raise ValueError(f"unknown dense layout {layout!r}; valid: {', '.join(DENSE_LAYOUTS)}")
 
