@@ -100,11 +100,14 @@ for part in "$@"; do case $part in
     done ;;
   ep4c)  # issue 15, design 0025's second round: the 1-GPU figure, then FSDP-only, ep=4 and DeepEP with the dense
          # layouts `whole` (as ep4b) and `split` (the LM head its own unit); each ep row prints the rows received per
-         # rank per MoE layer (max/mean); then the trace summaries. ~7.5 minutes.
+         # rank per MoE layer (max/mean); then the trace summaries. First the NCCL identity test of the all-to-all
+         # dispatcher (its CUDA-only pinned-copy path). ~7.5 minutes.
+    timeout 45 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/parallel/test_gpu_expert_dispatch.py \
+      -k all_to_all 2>&1 | tail -4
     E=bench/expert_parallel.py
     run 0 100 ep.log $E --modes fsdp --steps 8 --warmup 3 --profile-steps 2 --budget-seconds 85 --trace-dir "$out/traces"
-    run 0,1,2,3 ${EP_SECONDS:-290} ep.log $E --modes fsdp ep deep_ep --dense-layouts whole split --steps 8 --warmup 3 \
-      --profile-steps 2 --budget-seconds $(( ${EP_SECONDS:-290} - 15 )) --trace-dir "$out/traces"
+    run 0,1,2,3 ${EP_SECONDS:-270} ep.log $E --modes fsdp ep deep_ep --dense-layouts whole split --steps 8 --warmup 3 \
+      --profile-steps 2 --budget-seconds $(( ${EP_SECONDS:-270} - 15 )) --trace-dir "$out/traces"
     for trace in "$out"/traces/expert_parallel-*.json.gz; do
       echo "## $(basename "$trace")"
       timeout 15 python3 bench/trace_summary.py "$trace" --top 6 --gap-ms 2 > "${trace%.json.gz}.summary.txt" 2>&1

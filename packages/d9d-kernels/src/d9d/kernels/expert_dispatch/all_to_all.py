@@ -3,12 +3,12 @@
 dispatch: sort this rank's token copies by global expert (experts are contiguous per rank, so this also groups them
 by destination), exchange the `(ranks, local experts)` count matrix, send the rows with variable splits, and reorder
 what arrived from (source rank, local expert) to local-expert-major. combine: the same steps backwards, then the
-combine weights on the rank that owns the tokens. One device-to-host copy per dispatch (both count matrices); the
-rows to send are gathered before it, so the device works while the host waits. The host then derives the split
-lists, the local experts' group sizes and each `(source rank, local expert)` block's offset in the local-expert-major
-order, so the reorder is a `repeat_interleave` of 64-odd offsets rather than a second sort (design 0025: the forward
-is host-bound, every launched op counts). Every reordering is a gather whose backward is the inverse gather
-(`permute_rows`), never a scatter-add.
+combine weights on the rank that owns the tokens. One device-to-host copy per dispatch (both count matrices, into
+pinned memory behind an event on CUDA); the rows to send are gathered after it is queued, so the device still works
+when the host resumes. The host then derives the split lists, the local experts' group sizes and each `(source
+rank, local expert)` block's offset in the local-expert-major order, so the reorder is a `repeat_interleave` of
+64-odd offsets rather than a second sort (design 0025: the forward is host-bound, every launched op counts).
+Every reordering is a gather whose backward is the inverse gather (`permute_rows`), never a scatter-add.
 """
 
 from __future__ import annotations
@@ -122,11 +122,22 @@ class AllToAllDispatcher:
         send_counts = sort.group_sizes.view(self.num_ranks, self.num_local_experts)
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=self.group)
-        # Every copy in sorted order (dropped ones last): queued before the sync below, which it does not need.
-        copies = gather_sorted_rows(x, sort, top_k)
         # The one host copy of the dispatch: both count matrices. The host derives everything else the exchange and
         # the local reorder need from them (split lists, block offsets, group sizes) instead of launching device ops.
-        counts = torch.cat([send_counts, recv_counts]).tolist()
+        both = torch.cat([send_counts, recv_counts])
+        if both.is_cuda:
+            # Copied into pinned memory behind an event, so the host waits for the counts only: the gather of the
+            # rows to send (queued after the copy) still runs while the host launches the exchange.
+            staged = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+            staged.copy_(both, non_blocking=True)
+            counts_ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            counts_ready.record()
+            copies = gather_sorted_rows(x, sort, top_k)  # every copy in sorted order, dropped ones last
+            counts_ready.synchronize()
+            counts = staged.tolist()
+        else:
+            copies = gather_sorted_rows(x, sort, top_k)
+            counts = both.tolist()
         plan = _ExchangePlan.from_counts(counts[: self.num_ranks], counts[self.num_ranks :])
         self.rows_received += plan.num_received
         num_sent = sum(plan.send_splits)
