@@ -22,7 +22,10 @@ LM head), each listed layout a row of its own:
   the whole backward, exposed (design 0025: 6 ms of the ep=4 step's tail on 4 x H200);
 - `split`: `whole` with the LM head a unit of its own: its post-backward fires right after its backward (the first
   of the step), so its reduce-scatter overlaps the decoder layers' backward; only the decoder stack's (embedding and
-  layers) stays at the end. Same unsharded memory as `whole`.
+  layers) stays at the end. Same unsharded memory as `whole`;
+- `kept`: `layers` (a unit per decoder layer, embedding and LM head) not resharded after forward: no all-gather in
+  backward, each layer's reduce-scatter overlapping the next layers' backward, only the embedding's at the end; the
+  per-layer FSDP hooks come back into the host-bound forward. Same unsharded memory as `whole`.
 
 Every mode uses the same optimizer (`--optimizer`): by default `StochasticAdamW(fused=True)` with d9d-kernels'
 multi-tensor Triton step (float32 parameters, so exactly AdamW's update; one launch per bucket rather than a dozen
@@ -94,7 +97,7 @@ PROFILE_OVERHEAD_STEPS = 20
 PROFILE_OVERHEAD_SECONDS = 10.0
 
 
-DENSE_LAYOUTS = ("layers", "whole", "split")
+DENSE_LAYOUTS = ("layers", "whole", "split", "kept")
 # `whole`: the decoder stack (`model`: embedding, layers, final norm) is one unit, the root (LM head) the other.
 WHOLE_DENSE_UNITS = ["model"]
 
@@ -138,6 +141,8 @@ def data_parallel_config(layout: str, mixed: MixedPrecisionConfig | None) -> Fsd
             return FsdpConfig(mixed_precision=mixed)
         case "whole":
             return FsdpConfig(mixed_precision=mixed, units=WHOLE_DENSE_UNITS, reshard_after_forward=False)
+        case "kept":  # the model's default units (decoder layers, embedding, LM head), kept unsharded
+            return FsdpConfig(mixed_precision=mixed, reshard_after_forward=False)
         case "split":
             return FsdpConfig(
                 mixed_precision=mixed,
@@ -307,9 +312,16 @@ def breakdown_line(result: Result, breakdown: Breakdown) -> str:
     return line + "; device ms (share): " + ", ".join(parts)
 
 
-def runs(modes: list[str], layouts: list[str]) -> list[tuple[str, str]]:
-    """(mode, dense layout) pairs in order: `fsdp` once (per-layer units, the baseline), the others once per layout."""
-    return [(mode, layout) for mode in modes for layout in (["layers"] if mode == "fsdp" else layouts)]
+def runs(modes: list[str], layouts: list[str], deep_ep_layouts: list[str] | None = None) -> list[tuple[str, str]]:
+    """(mode, dense layout) pairs in order: `fsdp` once (per-layer units, the baseline), the others once per layout
+    (`deep_ep` once per `deep_ep_layouts` when given)."""
+
+    def layouts_of(mode: str) -> list[str]:
+        if mode == "fsdp":
+            return ["layers"]
+        return deep_ep_layouts if mode == "deep_ep" and deep_ep_layouts else layouts
+
+    return [(mode, layout) for mode in modes for layout in layouts_of(mode)]
 
 
 def emit(line: str) -> None:
@@ -326,6 +338,13 @@ def main() -> None:
         default=["layers"],
         choices=list(DENSE_LAYOUTS),
         help="dense-domain FSDP layouts of the ep/deep_ep modes, a row each (fsdp always uses layers)",
+    )
+    parser.add_argument(
+        "--deep-ep-layouts",
+        nargs="+",
+        default=None,
+        choices=list(DENSE_LAYOUTS),
+        help="dense layouts of the deep_ep mode (default: --dense-layouts)",
     )
     parser.add_argument("--optimizer", default="fused", choices=["fused", "torch"], help="the same for every mode")
     parser.add_argument("--steps", type=int, default=20)
@@ -351,7 +370,7 @@ def main() -> None:
     )
     emit("| mode | GPUs | tokens/s per GPU (slowest) | peak memory | median step |")
     emit("|---|---|---|---|---|")
-    for mode, layout in runs(args.modes, args.dense_layouts):
+    for mode, layout in runs(args.modes, args.dense_layouts, args.deep_ep_layouts):
         label = mode if layout == "layers" else f"{mode}-{layout}"
         ep = 1 if mode == "fsdp" else world
         if mode == "deep_ep" and importlib.util.find_spec("deep_ep") is None:

@@ -10,7 +10,7 @@
 #   ep4      : MoE on 1 GPU, then FSDP-only, ep=4 and DeepEP on 4 GPUs (issue 15's goal rows)
 #   ep4b     : ep4 with the same multi-tensor AdamW everywhere and both dense layouts under EP (design 0025)
 #   ep4c     : ep4b after 0025's second round (host-derived dispatch plan, the LM head's reduce-scatter overlapped):
-#              1 GPU; fsdp, ep and deep_ep with the dense layouts whole and split; the routing imbalance per layer
+#              1 GPU; fsdp, ep with the dense layouts whole, split and kept, deep_ep whole; routing imbalance
 #   kerneltests: GPU tests in the pytest process (kernels at real sizes, models); run after forking parts
 #   compile  : tp2 x dp_shard2 with compiled layers, async TP off and on
 #   pipeline : pipeline schedules at pp=4, then the GPU parity tests of every parallel style over NCCL
@@ -98,16 +98,17 @@ for part in "$@"; do case $part in
       timeout 20 python3 bench/trace_summary.py "$trace" --top 6 --gap-ms 2 > "${trace%.json.gz}.summary.txt" 2>&1
       head -14 "${trace%.json.gz}.summary.txt" | cut -c1-200
     done ;;
-  ep4c)  # issue 15, design 0025's second round: the 1-GPU figure, then FSDP-only, ep=4 and DeepEP with the dense
-         # layouts `whole` (as ep4b) and `split` (the LM head its own unit); each ep row prints the rows received per
-         # rank per MoE layer (max/mean); then the trace summaries. First the NCCL identity test of the all-to-all
-         # dispatcher (its CUDA-only pinned-copy path). ~7.5 minutes.
+  ep4c)  # issue 15, design 0025's second round: the 1-GPU figure, then FSDP-only, ep=4 with the dense layouts
+         # `whole` (as ep4b), `split` (the LM head its own unit) and `kept` (per-layer units, no reshard), DeepEP with
+         # `whole`; each ep row prints the rows received per rank per MoE layer (max/mean); then the trace summaries.
+         # First the NCCL identity test of the all-to-all dispatcher (its CUDA-only pinned-copy path). ~7.5 minutes.
     timeout 45 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/parallel/test_gpu_expert_dispatch.py \
       -k all_to_all 2>&1 | tail -4
     E=bench/expert_parallel.py
     run 0 100 ep.log $E --modes fsdp --steps 8 --warmup 3 --profile-steps 2 --budget-seconds 85 --trace-dir "$out/traces"
-    run 0,1,2,3 ${EP_SECONDS:-270} ep.log $E --modes fsdp ep deep_ep --dense-layouts whole split --steps 8 --warmup 3 \
-      --profile-steps 2 --budget-seconds $(( ${EP_SECONDS:-270} - 15 )) --trace-dir "$out/traces"
+    run 0,1,2,3 ${EP_SECONDS:-270} ep.log $E --modes fsdp ep deep_ep --dense-layouts whole split kept \
+      --deep-ep-layouts whole --steps 8 --warmup 3 --profile-steps 2 --budget-seconds $(( ${EP_SECONDS:-270} - 15 )) \
+      --trace-dir "$out/traces"
     for trace in "$out"/traces/expert_parallel-*.json.gz; do
       echo "## $(basename "$trace")"
       timeout 15 python3 bench/trace_summary.py "$trace" --top 6 --gap-ms 2 > "${trace%.json.gz}.summary.txt" 2>&1
