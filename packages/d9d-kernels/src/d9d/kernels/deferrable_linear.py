@@ -48,7 +48,7 @@ def deferrable_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     """`F.linear(x, weight, bias)`; under a pipeline's split backward its weight gradient can be deferred."""
     if not _deferrable(x, weight, bias):
         return F.linear(x, weight, bias)
-    out: torch.Tensor = _DeferrableLinear.apply(x, weight, bias)
+    out: torch.Tensor = _DeferrableLinear.apply(x, weight, bias)  # type: ignore[no-untyped-call]  # untyped in torch
     return out
 
 
@@ -85,7 +85,7 @@ class _DeferrableLinear(torch.autograd.Function):
         ctx.save_for_backward(x, weight, bias)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # type: ignore[untyped-decorator]  # untyped in torch
+    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight, bias = ctx.saved_tensors
         want_x, want_weight, want_bias = ctx.needs_input_grad

@@ -106,6 +106,7 @@ class PipelineExecutor:
         self.modules, self.layout, self.rank, self.device = dict(modules), layout, pipeline_rank, device
         self.group = group
         self.split_backward = resolve_split_backward(split_backward)
+        self.deferred_weight_gradients = 0  # work items the store's weight passes ran, over the executor's life
         self._fsdp = {
             stage: DeferredReduction(roots) for stage, module in modules.items() if (roots := fsdp_roots(module))
         }
@@ -210,7 +211,7 @@ class PipelineExecutor:
             case ActionKind.BACKWARD_WEIGHT:
                 pending = step.weight_work.pop(key)
                 if isinstance(pending, WeightGradientStore):
-                    store_backward_weight(pending)
+                    self.deferred_weight_gradients += store_backward_weight(pending)
                 else:
                     backward_weight(pending)
             case _:

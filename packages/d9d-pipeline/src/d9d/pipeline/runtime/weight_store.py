@@ -41,8 +41,9 @@ class WeightGradientStore:
             raise RuntimeError("weight-gradient work queued into a store whose weight pass already ran")
         self._work.append(work)
 
-    def run(self) -> None:
-        """Run the queued work (outside autograd: plain matmuls into `.grad`) and release what it holds."""
+    def run(self) -> int:
+        """Run the queued work (outside autograd: plain matmuls into `.grad`), release what it holds, return how
+        many items ran."""
         if self.ran:
             raise RuntimeError("the weight pass of this store already ran: each W runs once per micro-batch")
         self.ran = True
@@ -50,6 +51,7 @@ class WeightGradientStore:
         with torch.no_grad():
             for item in work:
                 item()
+        return len(work)
 
 
 _collecting: WeightGradientStore | None = None
@@ -116,6 +118,6 @@ def store_backward_input(
     return [tensor.grad for tensor in inputs], store
 
 
-def store_backward_weight(store: WeightGradientStore) -> None:
-    """Accumulate the deferred weight gradients (the second half of `store_backward_input`)."""
-    store.run()
+def store_backward_weight(store: WeightGradientStore) -> int:
+    """Accumulate the deferred weight gradients (the second half of `store_backward_input`); how many ran."""
+    return store.run()
