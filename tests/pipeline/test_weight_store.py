@@ -33,8 +33,15 @@ from d9d.pipeline import (
 DEFERRED_NODE = "_DeferrableLinearBackward"
 
 
-def _stage(family: str, index: int, count: int, decoder: DecoderConfig = EAGER, dtype: torch.dtype = torch.float32):
-    module = materialize_(build_meta(family, PipelineStage(index, count), decoder), "cpu")
+def _stage(
+    family: str,
+    index: int,
+    count: int,
+    decoder: DecoderConfig = EAGER,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+):
+    module = materialize_(build_meta(family, PipelineStage(index, count), decoder), device)
     load_initial(module, family)
     weights = aux_loss_weights(module)
     if weights is not None:
@@ -62,13 +69,15 @@ def _graph_names(root: torch.Tensor) -> set[str]:
 class _Run:
     """One forward of a stage on fixed data: (root, stage input or None, gradient seed or None)."""
 
-    def __init__(self, module: nn.Module, index: int, count: int, dtype: torch.dtype, seed: int = 7) -> None:
+    def __init__(
+        self, module: nn.Module, index: int, count: int, dtype: torch.dtype, seed: int = 7, device: str = "cpu"
+    ) -> None:
         generator = torch.Generator().manual_seed(seed)
         self.module, self.index, self.last = module, index, index == count - 1
-        self.ids = torch.randint(0, VOCAB, (2, SEQ), generator=generator)
-        self.labels = torch.randint(0, VOCAB, (2, SEQ), generator=generator)
-        self.hidden = torch.randn(2, SEQ, HIDDEN, generator=generator).to(dtype)
-        self.grad_out = torch.randn(2, SEQ, HIDDEN, generator=generator).to(dtype)
+        self.ids = torch.randint(0, VOCAB, (2, SEQ), generator=generator).to(device)
+        self.labels = torch.randint(0, VOCAB, (2, SEQ), generator=generator).to(device)
+        self.hidden = torch.randn(2, SEQ, HIDDEN, generator=generator).to(device, dtype)
+        self.grad_out = torch.randn(2, SEQ, HIDDEN, generator=generator).to(device, dtype)
 
     def __call__(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         x = None if self.index == 0 else self.hidden.clone().requires_grad_(True)
@@ -120,11 +129,26 @@ def test_store_split_equals_full_backward(family, position):
         torch.testing.assert_close(param.grad, want, atol=1e-6, rtol=0)
 
 
-def test_store_split_in_bfloat16():
-    module = _stage("dense", 1, 3, dtype=torch.bfloat16)
-    run = _Run(module, 1, 3, torch.bfloat16)
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+            ],
+        ),
+    ],
+)
+def test_store_split_in_bfloat16(device):
+    """On CUDA backward runs on autograd's device thread: the store is module state, not thread-local."""
+    module = _stage("dense", 1, 3, dtype=torch.bfloat16, device=device)
+    run = _Run(module, 1, 3, torch.bfloat16, device=device)
     expected, expected_input = _full(run)
     store, input_grad, _ = _split(run)
+    assert len(store) == len(_deferrable_weights(module))
     store_backward_weight(store)
     torch.testing.assert_close(input_grad, expected_input)
     for param, want in zip([p for p in module.parameters() if p.requires_grad], expected, strict=True):
@@ -235,6 +259,21 @@ def test_parameters_with_gradient_hooks_are_left_to_autograd():
     layer.weight.register_post_accumulate_grad_hook(lambda param: None)
     with pytest.raises(RuntimeError, match="gradient hooks"):
         store.run()
+
+
+def test_split_backward_choice_is_validated(monkeypatch):
+    from d9d.pipeline.runtime.executor import resolve_split_backward
+
+    monkeypatch.delenv("D9D_PIPELINE_SPLIT_BACKWARD", raising=False)
+    assert resolve_split_backward() == "store"
+    assert resolve_split_backward("graph") == "graph"
+    monkeypatch.setenv("D9D_PIPELINE_SPLIT_BACKWARD", "graph")
+    assert resolve_split_backward() == "graph"
+    monkeypatch.setenv("D9D_PIPELINE_SPLIT_BACKWARD", "levels")
+    with pytest.raises(ValueError, match=r"D9D_PIPELINE_SPLIT_BACKWARD='levels'.*valid: store, graph"):
+        resolve_split_backward()
+    with pytest.raises(ValueError, match="split_backward='walk'"):
+        resolve_split_backward("walk")
 
 
 def test_tensor_subclasses_and_frozen_weights_take_f_linear():
