@@ -216,10 +216,15 @@ def test_multi_tensor_adamw_step_matches_the_per_tensor_step_to_rounding_boundar
             if differs == 0:
                 continue
             # Same noise, same float32 formulas, but two kernels that ptxas schedules (and contracts into FMAs)
-            # independently: a float32 result one ulp apart rounds to a neighbouring bfloat16 when it sits on a
-            # rounding boundary. Measured on an H100: 2 of 155,582,464 embedding elements, one bfloat16 ulp, with
-            # float32 moments (none with bfloat16 moments). Anything beyond one ulp on a few elements is a bug.
+            # independently. A float32 moment may therefore differ by a few float32 ulps (measured on an H100:
+            # exp_avg_sq of the embedding, 19% of its elements, up to 3 ulps, i.e. < 4e-7 relative: rounding of
+            # one formula, not a different one). A bfloat16 tensor (the parameter, bfloat16 moments) differs only
+            # where such a float32 value sits on a rounding boundary: one bfloat16 ulp on a few elements
+            # (measured: 2 of 155,582,464 embedding elements). Anything beyond that is a bug.
             ulps = (g.contiguous().view(bits).long() - w.contiguous().view(bits).long()).abs().max().item()
+            if w.dtype == torch.float32:
+                assert ulps <= 4, f"{name} {shape}: {differs} of {g.numel()} elements differ, by up to {ulps} ulp(s)"
+                continue
             assert ulps <= 1 and differs <= max(8, g.numel() // 10**6), (
                 f"{name} {shape}: {differs} of {g.numel()} elements differ, by up to {ulps} ulp(s)"
             )
