@@ -20,7 +20,7 @@ from torch import nn
 from d9d.kernels.deferrable_linear import deferrable_linear
 from d9d.models import DecoderConfig, materialize_
 from d9d.models.blocks.linear import DeferrableLinear
-from d9d.models.blocks.moe import aux_loss_weights
+from d9d.models.blocks.moe import GroupedLinear, aux_loss_weights
 from d9d.pipeline import (
     PipelineStage,
     WeightGradientStore,
@@ -50,7 +50,8 @@ def _stage(
 
 
 def _deferrable_weights(module: nn.Module) -> set[int]:
-    return {id(m.weight) for m in module.modules() if isinstance(m, DeferrableLinear)}
+    """The projections' and the grouped experts' weights (eager grouped matmul: one of the backends with halves)."""
+    return {id(m.weight) for m in module.modules() if isinstance(m, DeferrableLinear | GroupedLinear)}
 
 
 def _graph_names(root: torch.Tensor) -> set[str]:
@@ -117,7 +118,7 @@ def test_store_split_equals_full_backward(family, position):
     assert deferrable, "the stage has attention and FFN projections"
 
     store, input_grad, root = _split(run)
-    assert len(store) == len(deferrable), "one queued work per projection"
+    assert len(store) == len(deferrable), "one queued work per projection and expert matmul"
     for param in params:  # I: every parameter but the projections' weights has its gradient
         assert (param.grad is None) == (id(param) in deferrable), tuple(param.shape)
     if expected_input is not None:
@@ -318,3 +319,29 @@ def test_store_split_of_the_last_stage_with_loss_gradients_in_forward():
     torch.testing.assert_close(input_grad, expected_input, atol=1e-6, rtol=0)
     for param, want in zip([p for p in module.parameters() if p.requires_grad], expected, strict=True):
         torch.testing.assert_close(param.grad, want, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_store_split_defers_the_experts_of_each_grouped_matmul_backend(backend):
+    """The grouped experts' halves per backend: `torch._grouped_mm` (a native kernel on CPU) and the Triton split
+    ops (Triton's interpreter on CPU). float32; the Triton halves reduce in another order than the full backward's
+    fused kernel, so 1e-5 as in test_split_backward.py; torch's are the products its own backward forms (1e-6)."""
+    import importlib.util
+
+    from d9d.kernels.grouped_mm import TorchGroupedMmConfig, TritonGroupedMmConfig
+
+    if backend == "triton" and importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    config = TorchGroupedMmConfig() if backend == "torch" else TritonGroupedMmConfig()
+    module = _stage("moe", 1, 3, EAGER.model_copy(update={"grouped_mm": config}))
+    run = _Run(module, 1, 3, torch.float32)
+    expected, expected_input = _full(run)
+    store, input_grad, _ = _split(run)
+    assert len(store) == len(_deferrable_weights(module))
+    experts = [m.weight for m in module.modules() if isinstance(m, GroupedLinear)]
+    assert experts and all(weight.grad is None for weight in experts)
+    store_backward_weight(store)
+    tolerance = 1e-6 if backend == "torch" else 1e-5
+    torch.testing.assert_close(input_grad, expected_input, atol=tolerance, rtol=tolerance)
+    for param, want in zip([p for p in module.parameters() if p.requires_grad], expected, strict=True):
+        torch.testing.assert_close(param.grad, want, atol=tolerance, rtol=tolerance)

@@ -22,26 +22,17 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812 - torch's conventional alias
-from torch import nn
 
 from d9d.kernels.weight_gradient_sink import (
     accumulate_weight_gradient,
     defer_weight_gradient,
     has_gradient_hooks,
-    weight_gradients_deferring,
+    may_defer,
 )
-
-_PLAIN = (torch.Tensor, nn.Parameter)
 
 
 def _deferrable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    if not (weight.requires_grad and torch.is_grad_enabled()) or not weight_gradients_deferring():
-        return False
-    if type(x) not in _PLAIN or type(weight) not in _PLAIN or (bias is not None and type(bias) not in _PLAIN):
-        return False
-    if torch.compiler.is_compiling() or torch.is_autocast_enabled(x.device.type):
-        return False
-    return not has_gradient_hooks(weight) and not (bias is not None and has_gradient_hooks(bias))
+    return may_defer(weight, x, bias) and not (bias is not None and has_gradient_hooks(bias))
 
 
 def deferrable_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -64,6 +64,22 @@ def has_gradient_hooks(param: torch.Tensor) -> bool:
     return bool(param._backward_hooks) or bool(getattr(param, "_post_accumulate_grad_hooks", None))
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def may_defer(weight: torch.Tensor, *operands: torch.Tensor | None) -> bool:
+    """Forward: whether a kernel may record its deferrable node for `weight` (see `deferrable_linear`'s module doc):
+    a sink is deferring, gradients are recorded for a trainable weight, every operand is a plain tensor (no DTensor
+    or other subclass), no `torch.compile` tracing, no autocast, and the weight has no gradient hooks."""
+    if not (weight.requires_grad and torch.is_grad_enabled()) or not weight_gradients_deferring():
+        return False
+    if type(weight) not in _PLAIN or any(t is not None and type(t) not in _PLAIN for t in operands):
+        return False
+    if torch.compiler.is_compiling() or torch.is_autocast_enabled(weight.device.type):
+        return False
+    return not has_gradient_hooks(weight)
+
+
 def gradient_dtype(param: torch.Tensor) -> torch.dtype:
     """The dtype autograd keeps `param.grad` in (`Tensor.grad_dtype` where set, else the parameter's)."""
     dtype = getattr(param, "grad_dtype", None)
