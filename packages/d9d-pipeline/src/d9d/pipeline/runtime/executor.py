@@ -9,9 +9,9 @@ Split backward (`BACKWARD_INPUT` / `BACKWARD_WEIGHT`) runs through the weight-gr
 (runtime/weight_store.py, design note 0024): the forwards of the split micro-batches of stages with an input are
 marked so the deferrable ops record their deferrable node, `I` is one ordinary backward and `W` runs the queue.
 `split_backward="graph"` (or `D9D_PIPELINE_SPLIT_BACKWARD=graph`) selects the graph-walk split instead
-(runtime/split_backward.py), which also defers what the store cannot (tensor-parallel linears, grouped experts) at
-the host cost of walking the graph. The first stage has no input gradient to send: under both its `I` does nothing
-and its `W` is the whole backward.
+(runtime/split_backward.py), which also defers what the store cannot (tensor-parallel linears, expert-parallel
+experts) at the host cost of walking the graph. The first stage has no input gradient to send: under both its `I`
+does nothing and its `W` is the whole backward.
 """
 
 from __future__ import annotations

@@ -1,14 +1,15 @@
 """Split backward through a weight-gradient store: `I` is one ordinary backward, `W` runs the queued matmuls.
 
-Design note 0024. The executor marks the forwards whose backward it will split (`deferring_weight_gradients`);
-there the deferrable ops (d9d-kernels' `deferrable_linear`: the attention and FFN projections of d9d-models) record
-a custom node instead of `F.linear`. `store_backward_input` opens a `WeightGradientStore` for the (stage,
-micro-batch) and runs one `torch.autograd.backward` from the stage outputs, no graph walk and no hook: each
-deferrable node computes its input gradient and queues its weight-gradient work (its saved input, the incoming
-gradient and the parameter) in the store; every other parameter (norm weights, embeddings, MoE experts, the fused
-loss's head, anything under tensor parallelism) gets its gradient from autograd in this pass, as in a full
-backward. `store_backward_weight` later runs the queue once: one matmul per deferred weight, accumulated into
-`.grad` as autograd's accumulator would (in place into an existing gradient, through `addmm_`).
+Design note 0024. The executor marks the forwards whose backward it will split (`deferring_weight_gradients`); there
+the deferrable ops (d9d-kernels' `deferrable_linear`: the attention and FFN projections of d9d-models) record a
+custom node instead of `F.linear`. `store_backward_input` opens a `WeightGradientStore` for the (stage, micro-batch)
+and runs one `torch.autograd.backward` from the stage outputs, no graph walk and no hook: each deferrable node
+computes its input gradient and queues its weight-gradient work (its saved input, the incoming gradient and the
+parameter) in the store, as do the MoE grouped experts (d9d-kernels' `deferrable_grouped_mm`); every other parameter
+(norm weights, embeddings, experts under expert parallelism, the fused loss's head, anything under tensor
+parallelism) gets its gradient from autograd in this pass, as in a full backward. `store_backward_weight` later runs
+the queue once: one matmul per deferred weight, accumulated into `.grad` as autograd's accumulator would (in place
+into an existing gradient, through `addmm_`).
 
 The store answers d9d-kernels' `WeightGradientSink` protocol (`PIPELINE_WEIGHT_GRADIENT_SINK`, which d9d-models
 registers; this package does not import the kernels). Its state is plain module state, not a context variable:
