@@ -7,6 +7,23 @@ GPU) with FSDP (bf16 compute, fp32 reduce, fp32 master weights, AdamW, clipping 
 - `ep`: `ep=N` with the all-to-all dispatcher (experts `Shard(0)` over the ranks, tokens exchanged);
 - `deep_ep`: `ep=N` with DeepEP's normal mode (skipped, with the reason, when `deep_ep` does not import).
 
+`--dense-layouts` picks how the expert-parallel modes shard the dense domain (embedding, attention, router, norms,
+LM head), each listed layout a row of its own:
+
+- `layers` (default): an FSDP unit per decoder layer, embedding and LM head, resharded after forward: an all-gather
+  per layer in forward and again in backward, a reduce-scatter per layer in backward. Under EP these per-layer
+  collectives sit between the token exchanges and lock the ranks' backward together (FSDP makes the compute stream
+  wait for the previous unit's reduce-scatter at each unit's post-backward, and that reduce-scatter waits for the
+  slowest rank);
+- `whole`: two FSDP units (the decoder stack `model`, and the LM head with the root), not resharded after forward:
+  one all-gather per unit per step and one reduce-scatter per unit at the end of its backward, nothing per layer.
+  The dense parameters of the MoE anchor are 0.36 B (0.31 B of them the embedding and the LM head), so holding them
+  unsharded costs 0.7 GiB of bf16.
+
+Every mode uses the same optimizer (`--optimizer`): by default `StochasticAdamW(fused=True)` with d9d-kernels'
+multi-tensor Triton step (float32 parameters, so exactly AdamW's update; one launch per bucket rather than a dozen
+per parameter); `torch` is `torch.optim.AdamW(foreach=False)`, the per-parameter loop of the first measurements.
+
 Per mode: after `--warmup` steps, `--steps` steps are timed (CUDA synchronised) and the row is printed at once (the
 slowest rank's median as tokens/s per GPU, the peak allocated memory of the most loaded rank). Only then do
 `--profile-steps` more steps run under `torch.profiler` (skipped when `--budget-seconds` would not leave room for
@@ -18,6 +35,7 @@ time limit thus keeps every row timed so far. `--trace-dir` writes rank 0's gzip
     torchrun --nproc_per_node 4 bench/expert_parallel.py                       # fsdp, ep, deep_ep on 4 GPUs
     torchrun --nproc_per_node 2 bench/expert_parallel.py --modes fsdp ep
     torchrun --nproc_per_node 1 bench/expert_parallel.py --modes fsdp          # the 1-GPU per-GPU figure
+    torchrun --nproc_per_node 4 bench/expert_parallel.py --modes ep --dense-layouts layers whole
     torchrun --nproc_per_node 2 bench/expert_parallel.py --tiny --device cpu   # seconds-long gloo smoke run
 """
 
@@ -43,6 +61,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from anchor_models import MOE, MOE_BATCH, tiny
 from d9d.core.dist import DistributedContext, MeshDegrees
+from d9d.core.optim import StochasticAdamW
 from d9d.kernels.expert_dispatch import AllToAllDispatchConfig, AnyExpertDispatchConfig, DeepEpDispatchConfig
 from d9d.kernels.grouped_mm import GROUPED_MM_CONFIG_ADAPTER
 from d9d.models import DecoderConfig, materialize_
@@ -64,6 +83,11 @@ KERNEL_FAMILIES: tuple[tuple[str, tuple[str, ...]], ...] = (
 # A profile costs about this many timed steps of host work (trace post-processing) on top of its own steps.
 PROFILE_OVERHEAD_STEPS = 20
 PROFILE_OVERHEAD_SECONDS = 10.0
+
+
+DENSE_LAYOUTS = ("layers", "whole")
+# `whole`: the decoder stack (`model`: embedding, layers, final norm) is one unit, the root (LM head) the other.
+WHOLE_DENSE_UNITS = ["model"]
 
 
 @dataclass(frozen=True)
@@ -98,8 +122,36 @@ def dispatch_config(mode: str) -> AnyExpertDispatchConfig | None:
             raise ValueError(f"unknown mode {mode!r}; valid: fsdp, ep, deep_ep")
 
 
+def data_parallel_config(layout: str, mixed: MixedPrecisionConfig | None) -> FsdpConfig:
+    """The dense domain's FSDP for `layout` (see the module docstring)."""
+    match layout:
+        case "layers":
+            return FsdpConfig(mixed_precision=mixed)
+        case "whole":
+            return FsdpConfig(mixed_precision=mixed, units=WHOLE_DENSE_UNITS, reshard_after_forward=False)
+        case _:
+            raise ValueError(f"unknown dense layout {layout!r}; valid: {', '.join(DENSE_LAYOUTS)}")
+
+
+def build_optimizer(model: torch.nn.Module, kind: str, device: torch.device) -> torch.optim.Optimizer:
+    """The same optimizer for every mode: d9d's multi-tensor AdamW step (`fused`), or PyTorch's per-parameter loop."""
+    match kind:
+        case "fused":
+            fused = device.type == "cuda"  # the Triton step needs CUDA; on CPU the same update in PyTorch ops
+            if fused:
+                from d9d.kernels.adamw import register_triton_stochastic_adamw
+
+                register_triton_stochastic_adamw()
+            return StochasticAdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=fused)
+        case "torch":
+            # Per parameter: expert and dense parameters are DTensors on different meshes (no cross-mesh foreach).
+            return torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, foreach=False)
+        case _:
+            raise ValueError(f"unknown optimizer {kind!r}; valid: fused, torch")
+
+
 def build_step(
-    mode: str, ctx: DistributedContext, params: Qwen3MoeParameters, args: argparse.Namespace
+    mode: str, layout: str, ctx: DistributedContext, params: Qwen3MoeParameters, args: argparse.Namespace
 ) -> tuple[Callable[[], None], int]:
     """The training step of `mode` on this rank, and the tokens it trains on."""
     device = ctx.device
@@ -110,10 +162,9 @@ def build_step(
     with torch.device("meta"):
         model = Qwen3MoeForCausalLM(params, config=config)
     mixed = MixedPrecisionConfig() if device.type == "cuda" else None  # bf16 compute needs bf16 kernels
-    parallelize_qwen3_moe(model, ctx, FsdpConfig(mixed_precision=mixed))
+    parallelize_qwen3_moe(model, ctx, data_parallel_config(layout, mixed))
     materialize_(model, device)
-    # Per-parameter AdamW: expert and dense parameters are DTensors on different meshes (no cross-mesh foreach).
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, foreach=False)
+    optimizer = build_optimizer(model, args.optimizer, device)
     generator = torch.Generator(device=device).manual_seed(1 + ctx.rank)
     ids = torch.randint(0, params.vocab_size, (batch, seq), device=device, generator=generator)
     labels = torch.randint(0, params.vocab_size, (batch, seq), device=device, generator=generator)
@@ -183,6 +234,7 @@ def profile_steps(mode: str, ctx: DistributedContext, step: Callable[[], None], 
     with profile(activities=activities) as prof:
         for _ in range(args.profile_steps):
             step()
+            prof.step()  # ProfilerStep#N ranges: bench/trace_summary.py splits the trace by them
         synchronize(device)
     host_us = 0.0
     families = {family: 0.0 for family, _ in KERNEL_FAMILIES} | {"other": 0.0}
@@ -223,6 +275,11 @@ def breakdown_line(result: Result, breakdown: Breakdown) -> str:
     return line + "; device ms (share): " + ", ".join(parts)
 
 
+def runs(modes: list[str], layouts: list[str]) -> list[tuple[str, str]]:
+    """(mode, dense layout) pairs in order: `fsdp` once (per-layer units, the baseline), the others once per layout."""
+    return [(mode, layout) for mode in modes for layout in (["layers"] if mode == "fsdp" else layouts)]
+
+
 def emit(line: str) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         print(line, flush=True)
@@ -231,6 +288,14 @@ def emit(line: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--modes", nargs="+", default=["fsdp", "ep", "deep_ep"], choices=["fsdp", "ep", "deep_ep"])
+    parser.add_argument(
+        "--dense-layouts",
+        nargs="+",
+        default=["layers"],
+        choices=list(DENSE_LAYOUTS),
+        help="dense-domain FSDP layouts of the ep/deep_ep modes, a row each (fsdp always uses layers)",
+    )
+    parser.add_argument("--optimizer", default="fused", choices=["fused", "torch"], help="the same for every mode")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--profile-steps", type=int, default=2, help="0: no breakdown")
@@ -248,21 +313,25 @@ def main() -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
     shape = "2 x 64 (tiny)" if args.tiny else f"{MOE_BATCH[0]} x {MOE_BATCH[1]}"
-    emit(f"# {datetime.date.today()} {world} x {device_name}, torch {torch.__version__}, per-GPU batch {shape}")
+    emit(
+        f"# {datetime.date.today()} {world} x {device_name}, torch {torch.__version__}, per-GPU batch {shape}, "
+        f"optimizer {args.optimizer}"
+    )
     emit("| mode | GPUs | tokens/s per GPU (slowest) | peak memory | median step |")
     emit("|---|---|---|---|---|")
-    for mode in args.modes:
+    for mode, layout in runs(args.modes, args.dense_layouts):
+        label = mode if layout == "layers" else f"{mode}-{layout}"
         ep = 1 if mode == "fsdp" else world
         if mode == "deep_ep" and importlib.util.find_spec("deep_ep") is None:
-            emit(f"| {mode} | {world} | skipped: deep_ep is not installed (bench/build_deepep.sh) | | |")
+            emit(f"| {label} | {world} | skipped: deep_ep is not installed (bench/build_deepep.sh) | | |")
             continue
         ctx = DistributedContext.build(MeshDegrees(dp_shard=-1, ep=ep), device=args.device)
         step: Callable[[], None] | None = None
         try:
-            step, tokens = build_step(mode, ctx, params, args)
-            result = time_steps(mode, ctx, step, tokens, args)
+            step, tokens = build_step(mode, layout, ctx, params, args)
+            result = time_steps(label, ctx, step, tokens, args)
             emit(
-                f"| {mode} (ep={result.ep}) | {world} | {result.tokens_per_second_per_gpu:,.0f} "
+                f"| {label} (ep={result.ep}) | {world} | {result.tokens_per_second_per_gpu:,.0f} "
                 f"| {result.peak_gib:.1f} GiB | {result.median_seconds * 1000:.0f} ms |"
             )
             emit(f"<!-- {json.dumps(asdict(result))} -->")
@@ -271,13 +340,13 @@ def main() -> None:
             # Every rank takes the same decision: the elapsed time of the slowest rank decides.
             fits = not args.budget_seconds or slowest([-left], ctx.device)[0] <= -needed
             if args.profile_steps > 0 and fits:
-                breakdown = profile_steps(mode, ctx, step, args)
+                breakdown = profile_steps(label, ctx, step, args)
                 emit(breakdown_line(result, breakdown))
                 emit(f"<!-- {json.dumps(asdict(breakdown))} -->")
             elif args.profile_steps > 0:
-                emit(f"#   {mode}: profile skipped, {left:.0f} s of --budget-seconds left, about {needed:.0f} s needed")
+                emit(f"#   {label}: profile skipped, {left:.0f} s of --budget-seconds left, {needed:.0f} s needed")
         except Exception as error:  # noqa: BLE001 - report and go on to the next mode
-            emit(f"| {mode} | {world} | failed: {type(error).__name__}: {str(error)[:300]} | | |")
+            emit(f"| {label} | {world} | failed: {type(error).__name__}: {str(error)[:300]} | | |")
         finally:
             step = None  # the model and optimizer go before the next mode builds its own
             if args.device == "cuda":

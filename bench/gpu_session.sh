@@ -8,6 +8,7 @@
 #   faults   : bench/faults.py's stage kinds on the CPUs, FAULT_PROCS campaigns in the background (call `wait` last)
 #   scaling  : dense FSDP compiled on 1, 2, 4 GPUs;  ep2: MoE on 1 GPU, then FSDP-only and ep=2 on 2 GPUs
 #   ep4      : MoE on 1 GPU, then FSDP-only, ep=4 and DeepEP on 4 GPUs (issue 15's goal rows)
+#   ep4b     : ep4 with the same multi-tensor AdamW everywhere and both dense layouts under EP (design 0025)
 #   kerneltests: GPU tests in the pytest process (kernels at real sizes, models); run after forking parts
 #   compile  : tp2 x dp_shard2 with compiled layers, async TP off and on
 #   pipeline : pipeline schedules at pp=4, then the GPU parity tests of every parallel style over NCCL
@@ -83,6 +84,18 @@ for part in "$@"; do case $part in
     run 0 120 ep.log $E --modes fsdp --steps 8 --warmup 3 --profile-steps 2 --budget-seconds 105 --trace-dir "$out/traces"
     run 0,1 ${EP_SECONDS:-240} ep.log $E --modes fsdp ep deep_ep --steps 8 --warmup 3 --profile-steps 2 \
       --budget-seconds $(( ${EP_SECONDS:-240} - 15 )) --trace-dir "$out/traces" ;;
+  ep4b)  # issue 15 after design 0025: the 1-GPU figure, then FSDP-only, ep=4 with the dense layouts `layers` (per-layer
+         # units, as ep4) and `whole` (one unit, no reshard), DeepEP likewise where installed; every row with the same
+         # multi-tensor AdamW; then each trace's summary (GPU busy/idle, largest gaps, kernel families). ~7 minutes.
+    E=bench/expert_parallel.py
+    run 0 100 ep.log $E --modes fsdp --steps 8 --warmup 3 --profile-steps 2 --budget-seconds 85 --trace-dir "$out/traces"
+    run 0,1,2,3 ${EP_SECONDS:-300} ep.log $E --modes fsdp ep deep_ep --dense-layouts layers whole --steps 8 --warmup 3 \
+      --profile-steps 2 --budget-seconds $(( ${EP_SECONDS:-300} - 15 )) --trace-dir "$out/traces"
+    for trace in "$out"/traces/expert_parallel-*.json.gz; do
+      echo "## $(basename "$trace")"
+      timeout 20 python3 bench/trace_summary.py "$trace" --top 6 --gap-ms 2 > "${trace%.json.gz}.summary.txt" 2>&1
+      head -14 "${trace%.json.gz}.summary.txt" | cut -c1-200
+    done ;;
   ep4)  # issue 15's goal rows: the MoE anchor's 1-GPU figure, then FSDP-only, ep=4 and DeepEP on 4 GPUs
     E=bench/expert_parallel.py
     run 0 100 ep.log $E --modes fsdp --steps 8 --warmup 3 --profile-steps 2 --budget-seconds 85 --trace-dir "$out/traces"

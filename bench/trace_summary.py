@@ -1,7 +1,7 @@
 """Where a training step's time goes, from a `torch.profiler` Chrome trace: GPU busy vs idle, the largest idle gaps
 with the host-side operations that were running during them, and device time by kernel family and by kernel.
 
-    python bench/trace_summary.py TRACE.json [--top 25] [--gap-ms 0.2]
+    python bench/trace_summary.py TRACE.json[.gz] [--top 25] [--gap-ms 0.2]
 
 Step boundaries are the profiler's `ProfilerStep#N` ranges (the Trainer's `StepProfiler` steps the profiler once per
 training step). GPU busy time is the union of kernel and memcpy/memset intervals on every stream, so overlapping
@@ -11,6 +11,7 @@ streams count once; idle = step wall time - busy.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import re
 from collections import defaultdict
@@ -116,7 +117,9 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--gap-ms", type=float, default=0.2, help="smallest idle gap listed")
     args = parser.parse_args()
-    print(summarise(json.loads(args.trace.read_text()), top=args.top, gap_us=args.gap_ms * 1e3))
+    # bench/expert_parallel.py writes its traces gzipped
+    text = gzip.decompress(args.trace.read_bytes()).decode() if args.trace.suffix == ".gz" else args.trace.read_text()
+    print(summarise(json.loads(text), top=args.top, gap_us=args.gap_ms * 1e3))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ k-th and (k+1)-th router logit within 5e-5, so the parity does not rest on how n
 import pytest
 import torch
 from ep_workload import (
+    LR,
     MIN_TOP_K_GAP,
     Trace,
     build_meta,
@@ -21,6 +22,7 @@ from ep_workload import (
     train,
 )
 from tiny import EAGER
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from d9d.core.checkpoint import JobCheckpointer, ModelAndOptimizer
@@ -93,8 +95,13 @@ def test_expert_parallel_training_matches_single_process(world_size, layout):
     experts = layers[0].experts.gate_proj.weight
     assert isinstance(experts, DTensor)
     # FSDP shards each ep shard again over ep_replicate (x tp under tensor parallelism), rounding up.
-    shards = degrees.ep * ctx.degrees.expert_replicate() * degrees.tp
-    assert experts.to_local().shape[0] * shards >= experts.shape[0]
+    efsdp = ctx.degrees.expert_replicate() * degrees.tp
+    assert experts.to_local().shape[0] * degrees.ep * efsdp >= experts.shape[0]
+    # At efsdp = 1 the experts are plain Shard(0) parameters over ep with no FSDP unit (docs/design/0025).
+    assert isinstance(layers[0].experts, FSDPModule) == (efsdp > 1)
+    if efsdp == 1:
+        assert experts.device_mesh.mesh_dim_names == ("ep",)
+        assert experts.to_local().shape[0] * degrees.ep == experts.shape[0]
     trace = train(model, optimizer_for(model), range(STEPS), ctx=ctx, sync=sync)
     reference, reference_trace = _reference(range(STEPS))
     _assert_same_training(trace, reference_trace)
@@ -211,3 +218,38 @@ def test_expert_parallel_with_tensor_parallel_shards_experts_over_ep_and_tp_rank
     tp_coordinate = ctx.rank % 2  # tp is the fastest-varying dimension: ranks [0, 1] and [2, 3] are tp groups
     assert torch.distributed.get_process_group_ranks(layer.dispatcher.group) == [tp_coordinate, tp_coordinate + 2]
     assert layer.token_shard_group is not None
+
+
+# bfloat16 compute (FSDP's default mixed precision: bf16 parameters in forward, float32 gradient reduction). At
+# efsdp = 1 the experts are cast by `cast_parameters_in_forward` instead of FSDP; against experts all-gathered by
+# FSDP (ep=1) the first step is the same arithmetic (measured: loss and grad norm bit-equal; asserted at 1e-6). After
+# it the runs drift apart by bf16 rounding at different points of the expert weight gradients (one grouped matmul
+# over every token against one per data rank, summed in float32), measured 2.5e-5 relative in losses and 2.8e-4 in
+# grad norms over 3 steps (asserted 1e-4, 2e-3). Parameters: AdamW moves an element by at most about lr per step
+# whatever the gradient's size, so two runs whose tiny gradients differ in sign part by up to 2 lr a step: 6 lr
+# after 3 steps (measured 5.7e-3 = 1.9 lr).
+BF16_LOSS_RTOL, BF16_NORM_RTOL, BF16_PARAM_ATOL = 1e-4, 2e-3, 6 * LR
+
+
+@pytest.mark.distributed(world_size=2, timeout=300)
+def test_plain_experts_in_bfloat16_mixed_precision_train_like_fsdp_experts():
+    from d9d.parallel import MixedPrecisionConfig
+    from d9d.parallel.placed import placed_by
+
+    config = FsdpConfig(mixed_precision=MixedPrecisionConfig())
+    runs = {}
+    for ep in (1, 2):
+        ctx, model, sync = _parallel(MeshDegrees(dp_shard=2, ep=ep), config)
+        experts = next(module for module in model.modules() if isinstance(module, MoELayer)).experts
+        # ep=1: the experts' weights are the decoder layer unit's; ep=2 at efsdp = 1: placed, no unit of their own.
+        assert not isinstance(experts, FSDPModule)
+        assert (placed_by(experts.gate_proj, "weight") is not None) == (ep == 2)
+        trace = train(model, optimizer_for(model), range(3), ctx=ctx, sync=sync)
+        runs[ep] = (trace, {name: full(param).detach().clone() for name, param in model.named_parameters()})
+    (fsdp_trace, fsdp_params), (ep_trace, ep_params) = runs[1], runs[2]
+    torch.testing.assert_close(ep_trace.losses[0], fsdp_trace.losses[0], rtol=1e-6, atol=0)
+    torch.testing.assert_close(ep_trace.grad_norms[0], fsdp_trace.grad_norms[0], rtol=1e-6, atol=0)
+    torch.testing.assert_close(ep_trace.losses, fsdp_trace.losses, rtol=BF16_LOSS_RTOL, atol=0)
+    torch.testing.assert_close(ep_trace.grad_norms, fsdp_trace.grad_norms, rtol=BF16_NORM_RTOL, atol=0)
+    for name, value in fsdp_params.items():
+        torch.testing.assert_close(ep_params[name], value, rtol=0, atol=BF16_PARAM_ATOL, msg=name)

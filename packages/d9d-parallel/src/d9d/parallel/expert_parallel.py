@@ -18,8 +18,12 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from d9d.core.dist import MeshDegrees
 from d9d.core.dist.degrees import divisors
+from d9d.parallel.compute_dtype import cast_parameters_in_forward
 from d9d.parallel.fully_sharded import parallelize_fsdp
 from d9d.parallel.mixed_precision import MixedPrecision
+from d9d.parallel.placed import mark_placed
+
+EXPERT_PARALLEL = "expert parallelism"
 
 
 def check_expert_parallel_degrees(degrees: MeshDegrees, num_experts: int) -> None:
@@ -81,13 +85,16 @@ def shard_experts(
     mixed_precision: MixedPrecision | None = None,
     reshard_after_forward: bool = True,
     offload: bool = False,
-) -> FSDPModule:
+) -> FSDPModule | None:
     """Split every parameter of `module` along dimension 0 over `mesh[ep_dim]`, then FSDP over `mesh[shard_dim]`.
 
     Call it on a meta-device module before `materialize_` (or on a real one: rank 0's values are scattered). Every
-    parameter, adapters included, must be stacked by expert (`shape[0] == num_experts`). Parameters end as DTensors
-    on the 2-D `(shard_dim, ep_dim)` mesh; gradients are sums (see `use_sum_reduction`). The module becomes its own
-    FSDP unit even when `mesh[shard_dim]` has one rank, so an enclosing FSDP unit on another mesh leaves it alone.
+    parameter, adapters included, must be stacked by expert (`shape[0] == num_experts`). With `mesh[shard_dim]` of
+    more than one rank (or `offload`) parameters end as DTensors on the 2-D `(shard_dim, ep_dim)` mesh, the module is
+    its own FSDP unit (returned) and gradients are sums (see `use_sum_reduction`). With one rank there (efsdp = 1)
+    they end as `Shard(0)` DTensors on `mesh[ep_dim]` with no FSDP unit (None is returned): each rank owns its
+    experts' gradients whole already, so there is nothing to reduce; forward runs on `mixed_precision.param_dtype`
+    copies and the parameters are marked placed, so an enclosing FSDP unit on another mesh leaves them alone.
     `offload`: keep the expert shards, their gradients and optimizer state in CPU memory (`d9d.parallel.offload`).
 
     Raises:
@@ -106,6 +113,12 @@ def shard_experts(
         owner = module.get_submodule(owner_name)
         sharded = distribute_tensor(param.detach(), ep_mesh, [Shard(0)])
         setattr(owner, attribute, nn.Parameter(sharded, requires_grad=param.requires_grad))
+    if mesh[shard_dim].size() == 1 and not offload:
+        for name, _ in module.named_parameters():
+            owner_name, _, attribute = name.rpartition(".")
+            mark_placed(module.get_submodule(owner_name), attribute, EXPERT_PARALLEL)
+        cast_parameters_in_forward(module, mixed_precision.param_dtype if mixed_precision else None)
+        return None
     return parallelize_fsdp(
         module,
         mesh[shard_dim],

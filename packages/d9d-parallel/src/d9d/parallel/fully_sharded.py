@@ -13,6 +13,7 @@ from torch.distributed.fsdp import FSDPModule, OffloadPolicy, fully_shard
 
 from d9d.parallel.mixed_precision import MixedPrecision
 from d9d.parallel.offload import cpu_offload_policy, mark_cpu_offloaded
+from d9d.parallel.placed import placed_parameters
 
 
 def parallelize_fsdp(
@@ -90,6 +91,8 @@ def _fully_shard(
         mp_policy=policy,
         reshard_after_forward=reshard_after_forward,
         offload_policy=cpu_offload_policy(mesh) if offload else OffloadPolicy(),
+        # Parameters an earlier step placed on another mesh (experts at efsdp = 1) stay as they are.
+        ignored_params=placed_parameters(module) or None,
     )
     assert isinstance(sharded, FSDPModule)
     use_sum_reduction(sharded)

@@ -1,7 +1,9 @@
 """The expert-parallel plan step for any model with MoE layers (found by role): dispatcher + sharded experts.
 
 Run it on the meta-device model before the data-parallel step: the experts become their own FSDP units on the
-expert domain, so the enclosing units (decoder layers on the dense domain) leave their parameters alone.
+expert domain, or, where the expert domain has one data rank per `ep` group (efsdp = 1), plain `Shard(0)` parameters
+marked placed (docs/design/0025); either way the enclosing units (decoder layers on the dense domain) leave their
+parameters alone.
 """
 
 from __future__ import annotations
@@ -37,10 +39,11 @@ def parallelize_experts(
     Experts are `Shard(0)` over `expert['ep']` and FSDP-sharded over `expert['ep_replicate']` (with
     `mixed_precision`, like the dense parameters); with `tp > 1` over `ep_replicate x tp`, since each `tp` rank
     routes its own sequence shard (experts are not tensor-parallel, docs/design/0021). Each layer's
-    `dispatch_config` picks the token exchange. Where that FSDP dimension has one rank (efsdp = 1) the experts are
-    not resharded after forward whatever `reshard_after_forward` says: resharding would free only the compute-dtype
-    copy of this rank's own shard (held until backward instead) and cost a second copy-in in backward.
-    Returns the layers it changed.
+    `dispatch_config` picks the token exchange. Where that FSDP dimension has one rank (efsdp = 1) the experts get
+    no FSDP unit (`shard_experts`): their gradients are whole on their rank already, and a unit would only add
+    hooks, a float32 copy of every expert gradient and a wait on the previous unit's reduce-scatter in each layer's
+    backward (docs/design/0025); forward runs on `mixed_precision.param_dtype` copies, held until backward, and
+    `reshard_after_forward` does not apply. Returns the layers it changed.
 
     Raises:
         ValueError: `ep` does not divide a layer's expert count (or the data ranks it folds over).
@@ -49,9 +52,6 @@ def parallelize_experts(
     mesh = ctx.mesh_for(MeshDomain.EXPERT)
     group = mesh["ep"].get_group()
     shard_mesh, shard_dim = expert_shard_mesh(mesh)
-    # On one rank (efsdp = 1) resharding would free only the compute-dtype copy of this rank's own shard and cost a
-    # second copy-in per backward: keep it (memory: one such copy per MoE layer until backward).
-    reshard = reshard_after_forward and shard_mesh[shard_dim].size() > 1
     layers: list[MoELayer] = []
     for name, module in select_modules(model, [ByRole(str(Role.MOE))]):
         if not isinstance(module, MoELayer) or not isinstance(module.experts, GroupedSwiGLU):
@@ -65,7 +65,7 @@ def parallelize_experts(
             num_experts=module.num_experts,
             shard_dim=shard_dim,
             mixed_precision=mixed_precision,
-            reshard_after_forward=reshard,
+            reshard_after_forward=reshard_after_forward,
             offload=offload,
         )
         layers.append(module)
