@@ -130,8 +130,8 @@ for part in "$@"; do case $part in
       run $gpus 85 tp.log $B --tp 2 --compile --async-tp --steps 8 --warmup 3
     done ;;
   pipeline)
-    # One launch per schedule so that one failure keeps the others' rows.
-    for schedule in 1f1b interleaved_1f1b zbv dualpipe_v; do
+    # One launch per schedule so that one failure keeps the others' rows (PIPE_SCHEDULES picks them and their order).
+    for schedule in ${PIPE_SCHEDULES:-1f1b interleaved_1f1b zbv dualpipe_v}; do
       run 0,1,2,3 ${PIPE_SECONDS:-100} pp.log bench/pipeline_schedules.py --schedules $schedule --steps 5 --warmup 2 \
         --profile-steps 1
     done ;;

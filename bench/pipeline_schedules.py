@@ -9,6 +9,7 @@ bubble = the same program replayed with uniform costs (forward = input gradient 
 
     torchrun --nproc-per-node 4 bench/pipeline_schedules.py                         # 4 GPUs, all schedules
     torchrun --nproc-per-node 4 bench/pipeline_schedules.py --schedules 1f1b zbv
+    torchrun --nproc-per-node 4 bench/pipeline_schedules.py --schedules zbv --split-backward graph  # the fallback
     D9D_DEVICE=cpu torchrun --nproc-per-node 2 bench/pipeline_schedules.py --tiny   # seconds, CPU + gloo
 """
 
@@ -74,6 +75,7 @@ class Row:
     measured_bubble: float
     simulated_bubble: float
     peak_gib: float
+    split_backward: str  # how split-backward schedules split (design note 0024); unused by the others
 
 
 class Task:
@@ -111,7 +113,12 @@ def measure(ctx: DistributedContext, kind: str, args: argparse.Namespace) -> Row
         return module.to(dtype)
 
     schedule = build_pipeline_schedule(
-        config, ctx, num_layers=params.num_layers, num_microbatches=args.microbatches, build_stage=build_stage
+        config,
+        ctx,
+        num_layers=params.num_layers,
+        num_microbatches=args.microbatches,
+        build_stage=build_stage,
+        split_backward=args.split_backward,
     )
     model, group = schedule.model, pipeline_group(ctx)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -189,6 +196,7 @@ def measure(ctx: DistributedContext, kind: str, args: argparse.Namespace) -> Row
         measured_bubble=float(torch.cat(bubbles).mean()),
         simulated_bubble=simulated,
         peak_gib=peak,
+        split_backward=schedule.executor.split_backward,
     )
 
 
@@ -202,6 +210,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--profile-steps", type=int, default=2)
     parser.add_argument("--tiny", action="store_true", help="a tiny model and short sequences (CPU smoke run)")
+    parser.add_argument(
+        "--split-backward", choices=["store", "graph"], default="store", help="weight-gradient store or graph walk"
+    )
     args = parser.parse_args()
     ctx = DistributedContext.build(MeshDegrees(pp=int(os.environ.get("WORLD_SIZE", "1"))))
     if ctx.device.type == "cuda":
@@ -210,13 +221,14 @@ def main() -> None:
     if ctx.rank == 0:
         print(
             "| schedule | pp | micro-batches | tokens/s per GPU | step s | measured bubble | simulated bubble"
-            " | peak GiB",
+            " | peak GiB | split backward",
         )
-        print("|---|---|---|---|---|---|---|---")
+        print("|---|---|---|---|---|---|---|---|---")
         for row in rows:
             print(
                 f"| {row.schedule} | {row.pp} | {row.microbatches} | {row.tokens_per_second_per_gpu:,.0f} | "
                 f"{row.step_seconds:.3f} | {row.measured_bubble:.3f} | {row.simulated_bubble:.3f} | {row.peak_gib:.1f}"
+                f" | {row.split_backward} |"
             )
         print(json.dumps([asdict(row) for row in rows]))
     ctx.close()

@@ -52,6 +52,7 @@ from d9d.pipeline import (
     ActivationSpec,
     PipelineAuxLosses,
     PipelineConfig,
+    PipelineSchedule,
     PipelineStage,
     build_pipeline_schedule,
     pipeline_group,
@@ -155,6 +156,7 @@ class RunRecord:
     losses: list[float]
     grad_norms: list[float]
     params: dict[str, torch.Tensor]  # this rank's parameters at the end (full tensors), global names
+    deferred_weight_gradients: int = 0  # weight gradients the executor's weight-gradient store deferred to W
 
 
 def reference_run(family: str, *, steps: int, global_rows: int, seed: int = 5) -> list[RunRecord]:
@@ -290,7 +292,14 @@ def pipelined_run(
         name: (param.full_tensor() if isinstance(param, DTensor) else param).detach().clone()
         for name, param in trainer.parts.model.named_parameters()
     }
-    return RunRecord(losses=[result.losses[step] for step in sorted(result.losses)], grad_norms=norms, params=params)
+    schedule = holder["schedule"]
+    assert isinstance(schedule, PipelineSchedule)
+    return RunRecord(
+        losses=[result.losses[step] for step in sorted(result.losses)],
+        grad_norms=norms,
+        params=params,
+        deferred_weight_gradients=schedule.executor.deferred_weight_gradients,
+    )
 
 
 def context(pp: int, dp_shard: int = 1, device: str = "cpu", *, tp: int = 1) -> DistributedContext:

@@ -8,6 +8,8 @@ norm within 1e-6 and 5e-6 relative, parameters within 2e-6 absolute after 10 ste
 measured (loss 5.1e-8, grad norm 8.1e-7, parameters 2.4e-7 over every schedule, pp and family).
 """
 
+import os
+
 import pytest
 import torch.distributed as dist
 from pipeline_workload import (
@@ -27,6 +29,7 @@ from d9d.pipeline import (
     PipelineConfig,
     ZeroBubbleH1Config,
     ZeroBubbleVConfig,
+    pipeline_group,
 )
 
 STEPS, ROWS = 10, 8
@@ -41,9 +44,20 @@ SCHEDULES = {
 }
 
 
+SPLIT = {"zb_h1", "zbv", "dualpipe_v"}
+
+
 def _check(family: str, config: PipelineConfig, pp: int, dp_shard: int = 1) -> None:
     ctx = context(pp, dp_shard)
     record = pipelined_run(ctx, family, config, steps=STEPS, global_rows=ROWS, fsdp=dp_shard > 1)
+    # The split schedules defer the projections' weight gradients through the store (design note 0024) on every
+    # rank holding a stage with an input (all ranks of the V schedules; every rank but the first of ZB-H1).
+    holds_later_stage = config.schedule.kind in {"zbv", "dualpipe_v"} or dist.get_rank(pipeline_group(ctx)) > 0
+    store = os.environ.get("D9D_PIPELINE_SPLIT_BACKWARD", "store") == "store"
+    if config.schedule.kind in SPLIT and holds_later_stage and store:
+        assert record.deferred_weight_gradients > 0
+    else:
+        assert record.deferred_weight_gradients == 0
     reference = shared_reference(family, steps=STEPS, global_rows=ROWS)
     losses = [step.losses[0] for step in reference]
     norms = [step.grad_norms[0] for step in reference]
@@ -70,6 +84,18 @@ def test_schedule_matches_single_process_pp2(schedule):
 def test_schedule_matches_single_process_pp4(schedule):
     for family in ("dense", "moe"):
         _check(family, PipelineConfig(schedule=SCHEDULES[schedule]), pp=4)
+
+
+@pytest.mark.parametrize("schedule", sorted(SPLIT))
+@pytest.mark.distributed(world_size=2, timeout=240)
+def test_graph_walk_split_backward_matches_single_process_pp2(schedule):
+    """The graph-walk split, selectable as the store's fallback (`D9D_PIPELINE_SPLIT_BACKWARD=graph`)."""
+    os.environ["D9D_PIPELINE_SPLIT_BACKWARD"] = "graph"  # this forked rank's own environment
+    try:
+        for family in ("dense", "moe"):
+            _check(family, PipelineConfig(schedule=SCHEDULES[schedule]), pp=2)
+    finally:
+        del os.environ["D9D_PIPELINE_SPLIT_BACKWARD"]
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipe_v"])

@@ -19,15 +19,24 @@ from d9d.pipeline.config import (
     plan_pipeline,
 )
 from d9d.pipeline.export import gather_pipeline_state, gather_pipeline_tensors
-from d9d.pipeline.runtime.executor import PipelineExecutor
+from d9d.pipeline.runtime.executor import PipelineExecutor, SplitBackward
 from d9d.pipeline.runtime.model_view import merge_stage_modules
 from d9d.pipeline.runtime.phase import BackwardPhase, backward_phase, current_backward_phase
 from d9d.pipeline.runtime.split_backward import backward_input, backward_weight
+from d9d.pipeline.runtime.weight_store import (
+    PIPELINE_WEIGHT_GRADIENT_SINK,
+    WeightGradientStore,
+    collecting_weight_gradients,
+    deferring_weight_gradients,
+    store_backward_input,
+    store_backward_weight,
+)
 from d9d.pipeline.schedule import PipelineSchedule
 from d9d.pipeline.stage import SINGLE_STAGE, PipelineStage
 from d9d.pipeline.task import ActivationSpec, PipelineTask
 
 __all__ = [
+    "PIPELINE_WEIGHT_GRADIENT_SINK",
     "SINGLE_STAGE",
     "ActivationSpec",
     "AnyScheduleConfig",
@@ -43,16 +52,22 @@ __all__ = [
     "PipelineSchedule",
     "PipelineStage",
     "PipelineTask",
+    "SplitBackward",
+    "WeightGradientStore",
     "ZeroBubbleH1Config",
     "ZeroBubbleVConfig",
     "backward_input",
     "backward_phase",
     "backward_weight",
     "build_pipeline_schedule",
+    "collecting_weight_gradients",
     "current_backward_phase",
+    "deferring_weight_gradients",
     "gather_pipeline_state",
     "gather_pipeline_tensors",
     "merge_stage_modules",
     "pipeline_group",
     "plan_pipeline",
+    "store_backward_input",
+    "store_backward_weight",
 ]

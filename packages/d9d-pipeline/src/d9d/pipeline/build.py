@@ -12,6 +12,7 @@ from d9d.core.dist import DistributedContext
 from d9d.core.dist.domains import MeshDomain
 from d9d.core.loop.protocols import AuxLossWeighting
 from d9d.pipeline.config import PipelineConfig, plan_pipeline
+from d9d.pipeline.runtime.executor import SplitBackward
 from d9d.pipeline.schedule import PipelineSchedule
 from d9d.pipeline.stage import PipelineStage
 
@@ -31,10 +32,12 @@ def build_pipeline_schedule(
     num_layers: int,
     num_microbatches: int,
     build_stage: Callable[[PipelineStage], nn.Module],
+    split_backward: SplitBackward | None = None,
 ) -> PipelineSchedule:
     """Check the plan (the same `ValueError`s as `plan_pipeline`), build this rank's stages with `build_stage`
     (a materialised, parallelised stage module per `PipelineStage`) and return the schedule; give the Trainer
-    `schedule.model` as its model and `schedule` as its step schedule."""
+    `schedule.model` as its model and `schedule` as its step schedule. `split_backward`: how split-backward
+    schedules split ("store", the default, or "graph"; None reads `D9D_PIPELINE_SPLIT_BACKWARD`)."""
     plan = plan_pipeline(
         config,
         pp=ctx.degrees.pp,
@@ -53,6 +56,7 @@ def build_pipeline_schedule(
         pipeline_rank=rank,
         group=pipeline_group(ctx),
         device=ctx.device,
+        split_backward=split_backward,
     )
 
 

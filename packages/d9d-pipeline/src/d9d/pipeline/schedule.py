@@ -18,7 +18,7 @@ from torch import nn
 from d9d.core.loop.schedule import ScheduleResult
 from d9d.pipeline.program import Program, StageLayout
 from d9d.pipeline.program.builders import build_program, inference
-from d9d.pipeline.runtime.executor import PipelineExecutor, StepOutcome
+from d9d.pipeline.runtime.executor import PipelineExecutor, SplitBackward, StepOutcome
 from d9d.pipeline.runtime.model_view import merge_stage_modules
 from d9d.pipeline.task import PipelineTask
 
@@ -43,10 +43,13 @@ class PipelineSchedule:
         pipeline_rank: int,
         group: dist.ProcessGroup | None,
         device: torch.device,
+        split_backward: SplitBackward | None = None,
     ) -> None:
         self.name, self._build, self.layout = name, build, layout
         self.pipeline_rank, self.group, self.device = pipeline_rank, group, device
-        self.executor = PipelineExecutor(modules, layout, pipeline_rank=pipeline_rank, group=group, device=device)
+        self.executor = PipelineExecutor(
+            modules, layout, pipeline_rank=pipeline_rank, group=group, device=device, split_backward=split_backward
+        )
         self.model = merge_stage_modules([modules[stage] for stage in sorted(modules)])
         self._programs: dict[tuple[int, bool], Program] = {}
 

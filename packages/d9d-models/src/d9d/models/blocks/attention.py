@@ -8,6 +8,7 @@ from torch import nn
 from d9d.kernels.attention import AttentionBackend, AttentionMask
 from d9d.kernels.rope import EagerRope, RopeKernel
 from d9d.models.blocks.late_init import init_normal_, init_zeros_
+from d9d.models.blocks.linear import DeferrableLinear
 from d9d.models.blocks.norm import RMSNorm
 from d9d.models.blocks.rope import RopeStyle, RopeTables
 
@@ -35,10 +36,10 @@ class GroupedQueryAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.init_std = init_std
         self.backend = backend
-        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        self.q_proj = DeferrableLinear(hidden_size, num_heads * head_dim, bias=bias)
+        self.k_proj = DeferrableLinear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = DeferrableLinear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = DeferrableLinear(num_heads * head_dim, hidden_size, bias=bias)
         self.q_norm = RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
         self.rope_kernel: RopeKernel = EagerRope()  # rotates q and k together (one Triton launch when swapped in)

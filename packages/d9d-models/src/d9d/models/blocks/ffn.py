@@ -7,15 +7,16 @@ from torch import nn
 
 from d9d.kernels.swiglu import EagerSwiGlu, SwiGluKernel
 from d9d.models.blocks.late_init import init_normal_
+from d9d.models.blocks.linear import DeferrableLinear
 
 
 class SwiGLU(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, *, init_std: float = 0.02) -> None:
         super().__init__()
         self.init_std = init_std
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = DeferrableLinear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = DeferrableLinear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = DeferrableLinear(intermediate_size, hidden_size, bias=False)
         self.swiglu_kernel: SwiGluKernel = EagerSwiGlu()  # silu(gate) * up; a Triton kernel via apply_block_kernels
 
     def reset_parameters(self) -> None:

@@ -4,13 +4,23 @@ It is an interpreter over `Action`s (a `match` per kind) and the only code that 
 from another rank become leaf tensors that require grad, so backward ends at the stage boundary and their `.grad`
 (full backward) or the input gradient of a split backward is what goes back. Consecutive stages on one rank hand
 tensors over directly. Sends and receives are posted without blocking; a compute waits only for its own input.
+
+Split backward (`BACKWARD_INPUT` / `BACKWARD_WEIGHT`) runs through the weight-gradient store by default
+(runtime/weight_store.py, design note 0024): the forwards of the split micro-batches of stages with an input are
+marked so the deferrable ops record their deferrable node, `I` is one ordinary backward and `W` runs the queue.
+`split_backward="graph"` (or `D9D_PIPELINE_SPLIT_BACKWARD=graph`) selects the graph-walk split instead
+(runtime/split_backward.py), which also defers what the store cannot (tensor-parallel linears, expert-parallel
+experts) at the host cost of walking the graph. The first stage has no input gradient to send: under both its `I`
+does nothing and its `W` is the whole backward.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -21,11 +31,30 @@ from d9d.pipeline.program import Action, ActionKind, Program, StageLayout
 from d9d.pipeline.runtime.fsdp_reduction import DeferredReduction, fsdp_roots
 from d9d.pipeline.runtime.p2p import Communicator, ReceiveHandle
 from d9d.pipeline.runtime.split_backward import WeightGradientWork, backward_input, backward_weight
+from d9d.pipeline.runtime.weight_store import (
+    WeightGradientStore,
+    deferring_weight_gradients,
+    store_backward_input,
+    store_backward_weight,
+)
 from d9d.pipeline.stage import PipelineStage
 from d9d.pipeline.task import PipelineTask
 
 Key = tuple[int, int]  # (stage, micro-batch)
 _BACKWARDS = frozenset({ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT})
+SplitBackward = Literal["store", "graph"]
+SPLIT_BACKWARD_ENV = "D9D_PIPELINE_SPLIT_BACKWARD"
+
+
+def resolve_split_backward(value: str | None = None) -> SplitBackward:
+    """`value`, else `$D9D_PIPELINE_SPLIT_BACKWARD`, else "store"; anything else is refused naming the choices."""
+    source = "split_backward"
+    if value is None:
+        value, source = os.environ.get(SPLIT_BACKWARD_ENV, "store"), SPLIT_BACKWARD_ENV
+    for choice in get_args(SplitBackward):
+        if value == choice:
+            return choice  # type: ignore[no-any-return]
+    raise ValueError(f"{source}={value!r} is not a split backward; valid: {', '.join(get_args(SplitBackward))}")
 
 
 @dataclass
@@ -50,7 +79,8 @@ class _Step:
     outputs: dict[Key, torch.Tensor] = field(default_factory=dict)  # activation, or the scaled loss on the last
     received: dict[tuple[str, int, int], tuple[torch.Tensor, ReceiveHandle]] = field(default_factory=dict)
     input_grads: dict[Key, torch.Tensor | None] = field(default_factory=dict)  # gradient of a stage's input
-    weight_work: dict[Key, WeightGradientWork] = field(default_factory=dict)
+    weight_work: dict[Key, WeightGradientWork | WeightGradientStore] = field(default_factory=dict)
+    split: frozenset[Key] = frozenset()  # the (stage, micro-batch)s whose backward this program splits
 
 
 class PipelineExecutor:
@@ -64,6 +94,7 @@ class PipelineExecutor:
         pipeline_rank: int,
         group: dist.ProcessGroup | None,
         device: torch.device,
+        split_backward: SplitBackward | None = None,
     ) -> None:
         expected = set(layout.stages_of(pipeline_rank))
         if set(modules) != expected:
@@ -74,6 +105,8 @@ class PipelineExecutor:
             raise ValueError(f"pp={layout.pp} needs the pipeline process group")
         self.modules, self.layout, self.rank, self.device = dict(modules), layout, pipeline_rank, device
         self.group = group
+        self.split_backward = resolve_split_backward(split_backward)
+        self.deferred_weight_gradients = 0  # work items the store's weight passes ran, over the executor's life
         self._fsdp = {
             stage: DeferredReduction(roots) for stage, module in modules.items() if (roots := fsdp_roots(module))
         }
@@ -88,9 +121,12 @@ class PipelineExecutor:
             raise ValueError(
                 f"program {program.name!r} is for {program.num_microbatches} micro-batches, got {len(batches)}"
             )
-        step = _Step(batches=batches, loss_scale=loss_scale, training=program.training)
-        comm = Communicator(self.group) if self.group is not None else None
         actions = program.for_rank(self.rank)
+        split = frozenset(
+            (action.stage, action.microbatch) for action in actions if action.kind is ActionKind.BACKWARD_INPUT
+        )
+        step = _Step(batches=batches, loss_scale=loss_scale, training=program.training, split=split)
+        comm = Communicator(self.group) if self.group is not None else None
         deferred = self._deferred_reductions(actions) if program.training else {}
         try:
             for reduction in deferred.values():
@@ -165,11 +201,19 @@ class PipelineExecutor:
             case ActionKind.BACKWARD_INPUT:
                 root, grad = self._backward_root(action, step)
                 leaf = step.inputs.pop(key)
-                grads, work = backward_input([root], [grad], [leaf] if leaf is not None else [])
-                step.weight_work[key] = work
+                if self.split_backward == "store" and leaf is not None:
+                    grads, store = store_backward_input([root], [grad], [leaf])
+                    step.weight_work[key] = store
+                else:  # the graph walk, or a first stage (its W is the whole backward, no walk)
+                    grads, work = backward_input([root], [grad], [leaf] if leaf is not None else [])
+                    step.weight_work[key] = work
                 self._hand_back(action, step, grads[0] if grads else None)
             case ActionKind.BACKWARD_WEIGHT:
-                backward_weight(step.weight_work.pop(key))
+                pending = step.weight_work.pop(key)
+                if isinstance(pending, WeightGradientStore):
+                    self.deferred_weight_gradients += store_backward_weight(pending)
+                else:
+                    backward_weight(pending)
             case _:
                 raise AssertionError(action)
 
@@ -184,7 +228,9 @@ class PipelineExecutor:
             if step.training:
                 hidden = hidden.requires_grad_()
         step.inputs[(stage, mb)] = hidden
-        with torch.set_grad_enabled(step.training):
+        # Deferrable ops record their deferrable node only where the store will split this backward.
+        defer = self.split_backward == "store" and hidden is not None and (stage, mb) in step.split
+        with torch.set_grad_enabled(step.training), deferring_weight_gradients() if defer else nullcontext():
             result = task.forward_stage(
                 self.modules[stage], step.batches[mb], stage=self.stage_info(stage), hidden=hidden
             )

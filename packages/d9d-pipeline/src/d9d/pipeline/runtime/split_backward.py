@@ -1,5 +1,12 @@
 """Backward in two halves: input gradients now (`I`), weight gradients later (`W`), through autograd's graph.
 
+The executor's fallback split (`split_backward="graph"`, `D9D_PIPELINE_SPLIT_BACKWARD=graph`); the default is the
+weight-gradient store (runtime/weight_store.py, design note 0024), whose `I` is one ordinary backward and whose `W`
+runs queued matmuls. This walk costs host time per micro-batch (on a 4-layer anchor stage on an H100 each of `I` and
+`W` took a full backward's 11.7 ms of host time, the stage being host-bound) but defers every weight gradient the
+graph holds, tensor-parallel (DTensor) linears, expert-parallel experts and the loss head included, which the store
+computes in `I`.
+
 `backward_input` runs `torch.autograd.grad` from the stage outputs to the stage inputs only. Before it does, it
 walks the graph once and finds the *intermediates*: nodes on the path to the inputs with an edge into a
 *weight side* (a part of the graph that leads to parameters but not to the inputs: a matmul's transpose and

@@ -6,7 +6,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+import d9d.models.blocks.linear  # noqa: F401 - registers the pipeline's weight-gradient sink (the experts defer too)
 from d9d.kernels.grouped_mm import GroupedMm
+from d9d.kernels.grouped_mm.deferrable import deferrable_grouped_mm
 from d9d.kernels.swiglu import EagerSwiGlu, SwiGluKernel
 from d9d.models.blocks.late_init import init_normal_
 
@@ -32,7 +34,8 @@ class GroupedLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
 
     def forward(self, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
-        return self.backend(x, self.weight, group_sizes)
+        # The backend itself, except in a pipeline forward the weight-gradient store splits (design note 0024).
+        return deferrable_grouped_mm(self.backend, x, self.weight, group_sizes)
 
     def extra_repr(self) -> str:
         experts, out_features, in_features = self.weight.shape
