@@ -144,8 +144,10 @@ class AllToAllDispatcher:
         sent = copies if num_sent == copies.shape[0] else copies[:num_sent]  # a slice's backward would copy
         received = all_to_all(sent, plan.recv_splits, plan.send_splits, self.group)
         # Received rows are ordered by (source rank, local expert); the experts want local-expert-major. Row `i` of
-        # block `(r, e)` moves by that block's offset `delta[r, e]`: no sort, one small host-to-device copy.
-        aux = torch.tensor(plan.block_delta + plan.group_sizes, dtype=torch.int64, device=x.device)
+        # block `(r, e)` moves by that block's offset `delta[r, e]`: no sort, one small host-to-device copy, from
+        # pinned memory and non-blocking (a pageable copy would synchronise the stream: a second drain per layer).
+        aux = torch.tensor(plan.block_delta + plan.group_sizes, dtype=torch.int64, pin_memory=x.is_cuda)
+        aux = aux.to(x.device, non_blocking=True)
         num_blocks = len(plan.block_delta)
         local_order: torch.Tensor | None = None
         local_inverse: torch.Tensor | None = None
