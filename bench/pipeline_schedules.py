@@ -1,11 +1,12 @@
 """Pipeline schedules on real ranks: tokens/s per GPU and the measured bubble beside the simulated one.
 
 The dense anchor of ../shared/reference/anchors.md (Qwen3-0.6B shape) deepened to 32 layers, split over `pp` =
-world size ranks; per step 16 micro-batches of 1 x 4096 tokens, bf16 parameters, AdamW, clipping at 1.0 summed over
-the stages. For every schedule: `--warmup` steps, then `--steps` timed steps (median), then `--profile-steps` steps
-under `torch.profiler`. Measured bubble = 1 - (time some kernel runs on the rank's GPU, intervals merged) / step
-time, averaged over ranks; on CPU (`--tiny`) the busy time is the executor's compute actions instead. Simulated
-bubble = the same program replayed with uniform costs (forward = input gradient = weight gradient).
+world size ranks; per step 16 micro-batches of 1 x 4096 tokens (`--microbatch-rows` for more rows), bf16
+parameters, AdamW, clipping at 1.0 summed over the stages. For every schedule: `--warmup` steps, then `--steps`
+timed steps (median), then `--profile-steps` steps under `torch.profiler`. Measured bubble = 1 - (time some kernel
+runs on the rank's GPU, intervals merged) / step time, averaged over ranks; on CPU (`--tiny`) the busy time is the
+executor's compute actions instead. Simulated bubble = the same program replayed with uniform costs (forward =
+input gradient = weight gradient).
 
     torchrun --nproc-per-node 4 bench/pipeline_schedules.py                         # 4 GPUs, all schedules
     torchrun --nproc-per-node 4 bench/pipeline_schedules.py --schedules 1f1b zbv
@@ -70,6 +71,7 @@ class Row:
     schedule: str
     pp: int
     microbatches: int
+    microbatch_rows: int
     tokens_per_second_per_gpu: float
     step_seconds: float
     measured_bubble: float
@@ -124,10 +126,11 @@ def measure(ctx: DistributedContext, kind: str, args: argparse.Namespace) -> Row
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     task = Task(params.hidden_size, dtype)
     generator = torch.Generator(device="cpu").manual_seed(0)
+    shape_of_batch = (args.microbatch_rows, seq)
     batches = [
         {
-            "input_ids": torch.randint(0, params.vocab_size, (1, seq), generator=generator).to(ctx.device),
-            "labels": torch.randint(0, params.vocab_size, (1, seq), generator=generator).to(ctx.device),
+            "input_ids": torch.randint(0, params.vocab_size, shape_of_batch, generator=generator).to(ctx.device),
+            "labels": torch.randint(0, params.vocab_size, shape_of_batch, generator=generator).to(ctx.device),
         }
         for _ in range(args.microbatches)
     ]
@@ -191,6 +194,7 @@ def measure(ctx: DistributedContext, kind: str, args: argparse.Namespace) -> Row
         schedule=kind,
         pp=ctx.degrees.pp,
         microbatches=args.microbatches,
+        microbatch_rows=args.microbatch_rows,
         tokens_per_second_per_gpu=tokens / median / ctx.world_size,
         step_seconds=median,
         measured_bubble=float(torch.cat(bubbles).mean()),
@@ -206,6 +210,12 @@ def main() -> None:
         "--schedules", nargs="+", default=["1f1b", "interleaved_1f1b", "zbv", "dualpipe_v"], choices=sorted(SCHEDULES)
     )
     parser.add_argument("--microbatches", type=int, default=16)
+    parser.add_argument(
+        "--microbatch-rows",
+        type=int,
+        default=1,
+        help="rows of 4096 tokens per micro-batch (1: the anchor's 4 rows per GPU at pp=4 and 16 micro-batches)",
+    )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--profile-steps", type=int, default=2)
@@ -220,13 +230,14 @@ def main() -> None:
     rows = [measure(ctx, kind, args) for kind in args.schedules]
     if ctx.rank == 0:
         print(
-            "| schedule | pp | micro-batches | tokens/s per GPU | step s | measured bubble | simulated bubble"
+            "| schedule | pp | micro-batches x rows | tokens/s per GPU | step s | measured bubble | simulated bubble"
             " | peak GiB | split backward",
         )
         print("|---|---|---|---|---|---|---|---|---")
         for row in rows:
             print(
-                f"| {row.schedule} | {row.pp} | {row.microbatches} | {row.tokens_per_second_per_gpu:,.0f} | "
+                f"| {row.schedule} | {row.pp} | {row.microbatches} x {row.microbatch_rows}"
+                f" | {row.tokens_per_second_per_gpu:,.0f} | "
                 f"{row.step_seconds:.3f} | {row.measured_bubble:.3f} | {row.simulated_bubble:.3f} | {row.peak_gib:.1f}"
                 f" | {row.split_backward} |"
             )
