@@ -105,7 +105,13 @@ def measure(ctx: DistributedContext, kind: str, args: argparse.Namespace) -> Row
     cuda = ctx.device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     decoder = DecoderConfig()  # attention backend: environment, then capability detection
-    config = PipelineConfig.model_validate({"schedule": SCHEDULES[kind]})
+    config = PipelineConfig.model_validate(
+        {
+            "schedule": SCHEDULES[kind],
+            "virtual_layers_pre": args.virtual_layers_pre,
+            "virtual_layers_post": args.virtual_layers_post,
+        }
+    )
     seq = 64 if args.tiny else 4096
 
     def build_stage(stage: PipelineStage) -> nn.Module:
@@ -219,6 +225,15 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--profile-steps", type=int, default=2)
+    parser.add_argument(
+        "--virtual-layers-pre", type=int, default=0, help="layer slots the embedding takes on the first stage"
+    )
+    parser.add_argument(
+        "--virtual-layers-post",
+        type=int,
+        default=0,
+        help="layer slots the head takes on the last stage (the anchor's fused loss costs about 6.5 layers)",
+    )
     parser.add_argument("--tiny", action="store_true", help="a tiny model and short sequences (CPU smoke run)")
     parser.add_argument(
         "--split-backward", choices=["store", "graph"], default="store", help="weight-gradient store or graph walk"
