@@ -3,10 +3,13 @@
 The dense anchor of ../shared/reference/anchors.md (Qwen3-0.6B shape) deepened to 32 layers, split over `pp` =
 world size ranks; per step 16 micro-batches of 1 x 4096 tokens (`--microbatch-rows` for more rows), bf16
 parameters, AdamW, clipping at 1.0 summed over the stages. For every schedule: `--warmup` steps, then `--steps`
-timed steps (median), then `--profile-steps` steps under `torch.profiler`. Measured bubble = 1 - (time some kernel
-runs on the rank's GPU, intervals merged) / step time, averaged over ranks; on CPU (`--tiny`) the busy time is the
-executor's compute actions instead. Simulated bubble = the same program replayed with uniform costs (forward =
-input gradient = weight gradient).
+timed steps (median), then `--profile-steps` steps under `torch.profiler`. Measured bubble = 1 - (time some compute
+kernel runs on the rank's GPU, intervals merged) / step time, averaged over ranks: a GPU inside an NCCL kernel is
+waiting for a peer (a receive posted before its data exists spins until it arrives), so communication kernels do
+not count as busy; the column `bubble, comm busy` counts them, as the benchmark did before session 7. On CPU
+(`--tiny`) the busy time is the executor's compute actions instead. Simulated bubble = the same program replayed
+with uniform costs (forward = input gradient = weight gradient); `simulated, stage costs` charges each stage its
+layers plus `--embedding-cost-layers` / `--head-cost-layers` (estimates), which shows an unbalanced split.
 
     torchrun --nproc-per-node 4 bench/pipeline_schedules.py                         # 4 GPUs, all schedules
     torchrun --nproc-per-node 4 bench/pipeline_schedules.py --schedules 1f1b zbv
@@ -33,7 +36,7 @@ from d9d.models import DecoderConfig, materialize_
 from d9d.models.qwen3 import Qwen3DenseForCausalLM, Qwen3DenseParameters
 from d9d.parallel import clip_grad_norm_
 from d9d.pipeline import ActivationSpec, PipelineConfig, PipelineStage, build_pipeline_schedule, pipeline_group
-from d9d.pipeline.program import replay
+from d9d.pipeline.program import ActionCosts, replay
 from d9d.pipeline.runtime import executor as executor_module
 from trace_summary import union_length
 
@@ -75,7 +78,9 @@ class Row:
     tokens_per_second_per_gpu: float
     step_seconds: float
     measured_bubble: float
+    bubble_counting_comm_busy: float  # the earlier definition: NCCL kernels count as busy
     simulated_bubble: float
+    simulated_bubble_stage_costs: float  # each stage charged its layers plus the embedding's and the head's estimate
     peak_gib: float
     split_backward: str  # how split-backward schedules split (design note 0024); unused by the others
 
@@ -97,6 +102,21 @@ class Task:
 
     def activation_spec(self, batch, *, stage: PipelineStage) -> ActivationSpec:  # noqa: ANN001
         return ActivationSpec(shape=(*batch["input_ids"].shape, self.hidden), dtype=self.dtype)
+
+
+def stage_costs(
+    config: PipelineConfig, num_layers: int, num_stages: int, args: argparse.Namespace
+) -> tuple[float, ...]:
+    """Each global stage's cost in decoder layers: its layers, plus `--embedding-cost-layers` on the first stage and
+    `--head-cost-layers` on the last (estimates: the simulation's uniform costs cannot see an unbalanced split)."""
+    costs = []
+    for index in range(num_stages):
+        stage = PipelineStage(index, num_stages, config.virtual_layers_pre, config.virtual_layers_post)
+        cost = float(len(stage.layers(num_layers)))
+        cost += args.embedding_cost_layers if stage.is_first else 0.0
+        cost += args.head_cost_layers if stage.is_last else 0.0
+        costs.append(cost)
+    return tuple(costs)
 
 
 def measure(ctx: DistributedContext, kind: str, args: argparse.Namespace) -> Row:
@@ -160,6 +180,7 @@ def measure(ctx: DistributedContext, kind: str, args: argparse.Namespace) -> Row
     median = statistics.median(times)
 
     busy: list[float] = []
+    busy_with_comm: list[float] = []
     walls: list[float] = []
     if cuda:
         from torch.profiler import ProfilerActivity, profile
@@ -168,11 +189,13 @@ def measure(ctx: DistributedContext, kind: str, args: argparse.Namespace) -> Row
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 wall = step()
             kernels = [
-                (event.time_range.start, event.time_range.end)
+                (event.name, event.time_range.start, event.time_range.end)
                 for event in prof.events()
                 if event.device_type.name == "CUDA"
             ]
-            busy.append(union_length(kernels) * 1e-6)
+            compute = [(start, end) for name, start, end in kernels if "nccl" not in name.lower()]
+            busy.append(union_length(compute) * 1e-6)
+            busy_with_comm.append(union_length([(start, end) for _, start, end in kernels]) * 1e-6)
             walls.append(wall)
     else:  # CPU: time inside the executor's compute actions
         intervals: list[tuple[float, float]] = []
@@ -189,12 +212,19 @@ def measure(ctx: DistributedContext, kind: str, args: argparse.Namespace) -> Row
                 intervals.clear()
                 walls.append(step())
                 busy.append(union_length(intervals))
+                busy_with_comm.append(union_length(intervals))
         finally:
             executor_module.PipelineExecutor._compute = original  # type: ignore[method-assign]
     local_bubble = 1.0 - sum(busy) / sum(walls)
-    bubbles = [torch.zeros(1, dtype=torch.float64, device=ctx.device) for _ in range(ctx.world_size)]
-    dist.all_gather(bubbles, torch.tensor([local_bubble], dtype=torch.float64, device=ctx.device))
-    simulated = replay(schedule.program(args.microbatches, training=True)).bubble_fraction
+    local_bubble_with_comm = 1.0 - sum(busy_with_comm) / sum(walls)
+    bubbles = [torch.zeros(2, dtype=torch.float64, device=ctx.device) for _ in range(ctx.world_size)]
+    mine = torch.tensor([local_bubble, local_bubble_with_comm], dtype=torch.float64, device=ctx.device)
+    dist.all_gather(bubbles, mine)
+    measured = torch.stack(bubbles).mean(dim=0).tolist()
+    program = schedule.program(args.microbatches, training=True)
+    simulated = replay(program).bubble_fraction
+    weights = stage_costs(config, params.num_layers, program.layout.num_stages, args)
+    weighted = replay(program, ActionCosts(stage_weights=weights)).bubble_fraction
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
     return Row(
         schedule=kind,
@@ -203,8 +233,10 @@ def measure(ctx: DistributedContext, kind: str, args: argparse.Namespace) -> Row
         microbatch_rows=args.microbatch_rows,
         tokens_per_second_per_gpu=tokens / median / ctx.world_size,
         step_seconds=median,
-        measured_bubble=float(torch.cat(bubbles).mean()),
+        measured_bubble=measured[0],
+        bubble_counting_comm_busy=measured[1],
         simulated_bubble=simulated,
+        simulated_bubble_stage_costs=weighted,
         peak_gib=peak,
         split_backward=schedule.executor.split_backward,
     )
@@ -234,6 +266,14 @@ def main() -> None:
         default=0,
         help="layer slots the head takes on the last stage (the anchor's fused loss costs about 6.5 layers)",
     )
+    parser.add_argument(
+        "--head-cost-layers",
+        type=float,
+        default=4.0,
+        help="what the last stage's head and loss cost, in decoder layers, for the stage-cost simulation (an "
+        "estimate: 6.4 by FLOPs on the anchor, less where the layers are launch-bound)",
+    )
+    parser.add_argument("--embedding-cost-layers", type=float, default=0.5, help="the same for the embedding")
     parser.add_argument("--tiny", action="store_true", help="a tiny model and short sequences (CPU smoke run)")
     parser.add_argument(
         "--split-backward", choices=["store", "graph"], default="store", help="weight-gradient store or graph walk"
@@ -245,16 +285,16 @@ def main() -> None:
     rows = [measure(ctx, kind, args) for kind in args.schedules]
     if ctx.rank == 0:
         print(
-            "| schedule | pp | micro-batches x rows | tokens/s per GPU | step s | measured bubble | simulated bubble"
-            " | peak GiB | split backward",
+            "| schedule | pp | micro-batches x rows | tokens/s per GPU | step s | measured bubble | bubble, comm busy"
+            " | simulated bubble | simulated, stage costs | peak GiB | split backward |",
         )
-        print("|---|---|---|---|---|---|---|---|---")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for row in rows:
             print(
                 f"| {row.schedule} | {row.pp} | {row.microbatches} x {row.microbatch_rows}"
-                f" | {row.tokens_per_second_per_gpu:,.0f} | "
-                f"{row.step_seconds:.3f} | {row.measured_bubble:.3f} | {row.simulated_bubble:.3f} | {row.peak_gib:.1f}"
-                f" | {row.split_backward} |"
+                f" | {row.tokens_per_second_per_gpu:,.0f} | {row.step_seconds:.3f} | {row.measured_bubble:.3f}"
+                f" | {row.bubble_counting_comm_busy:.3f} | {row.simulated_bubble:.3f}"
+                f" | {row.simulated_bubble_stage_costs:.3f} | {row.peak_gib:.1f} | {row.split_backward} |"
             )
         print(json.dumps([asdict(row) for row in rows]))
     ctx.close()

@@ -9,6 +9,7 @@ from d9d.pipeline import PipelineConfig, plan_pipeline
 from d9d.pipeline.config import DualPipeVConfig, Interleaved1F1BConfig, OneFOneBConfig, ZeroBubbleVConfig
 from d9d.pipeline.program import (
     Action,
+    ActionCosts,
     ActionKind,
     Placement,
     Program,
@@ -216,3 +217,38 @@ def test_validator_rejects_pair_operations_in_different_orders():
     actions.insert(actions.index(send) + 1, recv)
     with pytest.raises(ProgramError, match=r"ranks 0 and 1 issue their point-to-point operations in different orders"):
         validate_program(_edited(program, 1, actions))
+
+
+def test_stage_weights_charge_each_stage_its_share():
+    """Equal weights (any scale) replay exactly as uniform costs; a heavier stage bounds the step from below by its
+    own work (m forwards and m full backwards), and a V schedule sees its first and last stage share rank 0."""
+    p, m = 4, 16
+    program = build_program("1f1b", partial(one_f_one_b, p, m), m)
+    uniform = replay(program)
+    scaled = replay(program, ActionCosts(stage_weights=(5.0,) * p))
+    assert scaled.makespan == pytest.approx(uniform.makespan)
+    assert scaled.bubble_fraction == pytest.approx(uniform.bubble_fraction)
+
+    heavy_last = (1.0, 1.0, 1.0, 3.0)  # normalised to mean 1: the last stage costs 2x a uniform one
+    timeline = replay(program, ActionCosts(stage_weights=heavy_last))
+    share = 3.0 * len(heavy_last) / sum(heavy_last)
+    assert timeline.busy(p - 1) == pytest.approx(m * 3.0 * share)  # forward 1 + full backward 2, per micro-batch
+    assert timeline.makespan >= m * 3.0 * share
+    assert timeline.bubble_fraction > uniform.bubble_fraction
+
+    # ZBV puts stages 0 and 2p-1 on rank 0: a heavy head there costs more than on 1F1B's last rank alone.
+    zbv = build_program("zbv", partial(zero_bubble_v, p, m), m)
+    head = tuple(4.0 + (6.0 if stage == 2 * p - 1 else 0.0) for stage in range(2 * p))
+    balanced = (2.0, 5.0, 5.0, 5.0, 5.0, 5.0, 5.0, 6.0)  # the same total, rank 0 no heavier than the others
+    assert sum(head) == sum(balanced)
+    assert replay(zbv, ActionCosts(stage_weights=balanced)).bubble_fraction < (
+        replay(zbv, ActionCosts(stage_weights=head)).bubble_fraction
+    )
+
+
+def test_stage_weights_must_match_the_stages():
+    program = build_program("1f1b", partial(one_f_one_b, 2, 4), 4)
+    with pytest.raises(ValueError, match=r"stage_weights=\(1.0, 2.0, 3.0\) must give each of the 2 stages"):
+        replay(program, ActionCosts(stage_weights=(1.0, 2.0, 3.0)))
+    with pytest.raises(ValueError, match="non-negative"):
+        replay(program, ActionCosts(stage_weights=(1.0, -1.0)))

@@ -27,6 +27,14 @@ class ActionCosts:
     backward_input: float = 1.0
     backward_weight: float = 1.0
     latency: float = 0.0  # from a send to the arrival at a posted receive
+    # Relative cost of each global stage's actions (e.g. its layers, plus what the embedding and the head cost in
+    # layers), scaled to a mean of 1 so the total work stays that of equal stages; None: every stage the same.
+    stage_weights: tuple[float, ...] | None = None
+
+    def weight_of(self, stage: int) -> float:
+        if self.stage_weights is None:
+            return 1.0
+        return self.stage_weights[stage] * len(self.stage_weights) / sum(self.stage_weights)
 
 
 @dataclass(frozen=True)
@@ -69,7 +77,7 @@ def _cost(action: Action, costs: ActionCosts, stages_per_rank: int) -> float:
             value = costs.backward_weight
         case _:
             return 0.0
-    return value / stages_per_rank
+    return value / stages_per_rank * costs.weight_of(action.stage)
 
 
 @dataclass
@@ -81,6 +89,12 @@ class _Channel:
 class _Replay:
     def __init__(self, program: Program, costs: ActionCosts) -> None:
         self.program, self.costs, self.layout = program, costs, program.layout
+        weights = costs.stage_weights
+        if weights is not None and (len(weights) != self.layout.num_stages or min(weights) < 0 or sum(weights) <= 0):
+            raise ValueError(
+                f"ActionCosts.stage_weights={weights} must give each of the {self.layout.num_stages} stages a "
+                "non-negative weight, not all zero"
+            )
         self.pc = dict.fromkeys(program.ranks, 0)
         self.clock = dict.fromkeys(program.ranks, 0.0)
         self.done: dict[Action, float] = {}  # compute action -> end time
