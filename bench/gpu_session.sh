@@ -14,6 +14,7 @@
 #   kerneltests: GPU tests in the pytest process (kernels at real sizes, models); run after forking parts
 #   compile  : tp2 x dp_shard2 with compiled layers, async TP off and on
 #   pipeline : pipeline schedules at pp=4, then the GPU parity tests of every parallel style over NCCL
+#   pipelinebal: pipeline schedules at pp=4 with balanced virtual-layer splits against even ones
 #   pipeline2: one stage's split backward against its full backward (ops, calls, host/device ms; 1 GPU), then
 #              1F1B, ZBV and DualPipeV at pp=2 (2 GPUs), the anchor's 32 layers with 16 micro-batches
 #   kernels  : the kernel table and the single-GPU Trainer ablation
@@ -134,6 +135,13 @@ for part in "$@"; do case $part in
     for schedule in ${PIPE_SCHEDULES:-1f1b interleaved_1f1b zbv dualpipe_v}; do
       run 0,1,2,3 ${PIPE_SECONDS:-100} pp.log bench/pipeline_schedules.py --schedules $schedule --steps 5 --warmup 2 \
         --profile-steps 1
+    done ;;
+  pipelinebal)  # issue 16: balanced splits (virtual layers for the embedding and the head) against even ones; the
+                # compute-only measured bubble beside the earlier one; PIPE_ROWS rows per micro-batch (default 1)
+    for split in "1f1b 0 3" "zbv 1 3" "dualpipe_v 1 3" "1f1b 0 0" "zbv 0 0"; do
+      set -- $split
+      run 0,1,2,3 ${PIPE_SECONDS:-100} pp.log bench/pipeline_schedules.py --schedules $1 --virtual-layers-pre $2 \
+        --virtual-layers-post $3 --microbatch-rows ${PIPE_ROWS:-1} --steps 5 --warmup 2 --profile-steps 1
     done ;;
   pipeline2)
     for layers in 8 4; do run 0 100 pp2.log bench/pipeline_split_backward.py --layers $layers; done
