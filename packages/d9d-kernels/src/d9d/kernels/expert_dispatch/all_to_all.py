@@ -23,6 +23,7 @@ from d9d.kernels.expert_dispatch.api import DispatchedTokens, check_routing, spl
 from d9d.kernels.expert_dispatch.sorting import (
     ExpertOrder,
     gather_sorted_rows,
+    inverse_permutation,
     permute_rows,
     sort_by_expert,
     weighted_unsort,
@@ -156,7 +157,7 @@ class AllToAllDispatcher:
             positions = torch.arange(plan.num_received, device=x.device)
             shift = torch.repeat_interleave(aux[:num_blocks], recv_counts.reshape(-1), output_size=plan.num_received)
             local_inverse = positions + shift
-            local_order = torch.empty_like(local_inverse).scatter_(0, local_inverse, positions)
+            local_order = inverse_permutation(local_inverse, positions)
             rows = permute_rows(received, local_order, local_inverse)
         handle = _AllToAllHandle(
             sort=sort,

@@ -42,9 +42,11 @@ def sort_by_expert(expert_indices: torch.Tensor, num_experts: int, *, may_drop: 
     return ExpertOrder(order=order, inverse=inverse, group_sizes=group_sizes)
 
 
-def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
-    """`inverse[order[j]] == j`, one scatter (cheaper to launch than `inverse[order] = arange`, an `index_put_`)."""
-    positions = torch.arange(order.numel(), device=order.device, dtype=order.dtype)
+def inverse_permutation(order: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """`inverse[order[j]] == j`, one scatter (cheaper to launch than `inverse[order] = arange`, an `index_put_`);
+    `positions`: `arange(len(order))` where the caller has it already."""
+    if positions is None:
+        positions = torch.arange(order.numel(), device=order.device, dtype=order.dtype)
     return torch.empty_like(order).scatter_(0, order, positions)
 
 

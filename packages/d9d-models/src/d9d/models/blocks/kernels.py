@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+import d9d.models.blocks.pipeline_split  # noqa: F401 - wires the pipeline's split backward into the kernels
 from d9d.kernels.linear_cross_entropy import (
     EagerLinearCrossEntropyConfig,
     LinearCrossEntropyKernel,
@@ -21,19 +22,8 @@ from d9d.kernels.linear_cross_entropy import (
 from d9d.kernels.moe_permute import MoePermuteKernel, build_moe_permute
 from d9d.kernels.rms_norm import RmsNormKernel, build_rms_norm
 from d9d.kernels.rope import RopeKernel, build_rope
-from d9d.kernels.split_backward import register_backward_halves
 from d9d.kernels.swiglu import SwiGluKernel, build_swiglu
 from d9d.models.config import DecoderConfig
-from d9d.pipeline.runtime.phase import BackwardPhase, current_backward_phase
-
-
-def _pipeline_backward_halves() -> tuple[bool, bool]:
-    phase = current_backward_phase()
-    return phase is not BackwardPhase.WEIGHT, phase is not BackwardPhase.INPUT
-
-
-# Kernels with hand-written backward halves (the fused loss) skip the half a pipeline's split backward pass ignores.
-register_backward_halves(_pipeline_backward_halves)
 
 
 @dataclass(frozen=True)

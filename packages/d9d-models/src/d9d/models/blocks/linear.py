@@ -3,8 +3,7 @@ split backward can defer to its weight pass.
 
 An `nn.Linear` in every respect (state-dict keys, tensor-parallel plans, FSDP, LoRA's `isinstance` checks) whose
 forward is d9d-kernels' `deferrable_linear`: plain `F.linear` except in the forwards a pipeline executor marks for
-the weight-gradient store (design note 0024). Importing this module registers d9d-pipeline's store as d9d-kernels'
-weight-gradient sink (kernels never import the pipeline).
+the weight-gradient store (design note 0024; `pipeline_split` registers the store with the kernels).
 """
 
 from __future__ import annotations
@@ -12,11 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import d9d.models.blocks.pipeline_split  # noqa: F401 - registers the pipeline's weight-gradient sink
 from d9d.kernels.deferrable_linear import deferrable_linear
-from d9d.kernels.weight_gradient_sink import register_weight_gradient_sink
-from d9d.pipeline.runtime.weight_store import PIPELINE_WEIGHT_GRADIENT_SINK
-
-register_weight_gradient_sink(PIPELINE_WEIGHT_GRADIENT_SINK)
 
 
 class DeferrableLinear(nn.Linear):

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-import d9d.models.blocks.linear  # noqa: F401 - registers the pipeline's weight-gradient sink (the experts defer too)
+import d9d.models.blocks.pipeline_split  # noqa: F401 - registers the pipeline's weight-gradient sink
 from d9d.kernels.grouped_mm import GroupedMm
 from d9d.kernels.grouped_mm.deferrable import deferrable_grouped_mm
 from d9d.kernels.swiglu import EagerSwiGlu, SwiGluKernel
