@@ -15,6 +15,8 @@
 #   compile  : tp2 x dp_shard2 with compiled layers, async TP off and on
 #   pipeline : pipeline schedules at pp=4, then the GPU parity tests of every parallel style over NCCL
 #   pipelinebal: pipeline schedules at pp=4 with balanced virtual-layer splits against even ones
+#   pipetrace: 1F1B and ZBV at 1 and 2 rows per micro-batch with a traced step per rank, then where each rank's
+#              time goes (bench/pipeline_trace.py)
 #   pipeline2: one stage's split backward against its full backward (ops, calls, host/device ms; 1 GPU), then
 #              1F1B, ZBV and DualPipeV at pp=2 (2 GPUs), the anchor's 32 layers with 16 micro-batches
 #   kernels  : the kernel table and the single-GPU Trainer ablation
@@ -138,11 +140,23 @@ for part in "$@"; do case $part in
     done ;;
   pipelinebal)  # issue 16: balanced splits (virtual layers for the embedding and the head) against even ones; the
                 # compute-only measured bubble beside the earlier one; PIPE_ROWS rows per micro-batch (default 1)
-    for split in "1f1b 0 3" "zbv 1 3" "dualpipe_v 1 3" "1f1b 0 0" "zbv 0 0"; do
+    # PIPE_SPLITS: "schedule pre post" triples; HEAD_COST: the head's cost in layers for the stage-cost simulation
+    IFS=, read -r -a splits <<< "${PIPE_SPLITS:-1f1b 0 3,zbv 1 3,dualpipe_v 1 3,1f1b 0 0,zbv 0 0}"
+    for split in "${splits[@]}"; do
       set -- $split
       run 0,1,2,3 ${PIPE_SECONDS:-100} pp.log bench/pipeline_schedules.py --schedules $1 --virtual-layers-pre $2 \
-        --virtual-layers-post $3 --microbatch-rows ${PIPE_ROWS:-1} --steps 5 --warmup 2 --profile-steps 1
+        --virtual-layers-post $3 --microbatch-rows ${PIPE_ROWS:-1} --head-cost-layers ${HEAD_COST:-4} --steps 5 \
+        --warmup 2 --profile-steps 1
     done ;;
+  pipetrace)  # issue 16: 1F1B and ZBV (even split) at PIPE_ROWS_LIST rows per micro-batch, one traced step per rank
+              # each, then bench/pipeline_trace.py: per rank compute, waiting on a peer, starved, host per action
+    for rows in ${PIPE_ROWS_LIST:-1 2}; do
+      for schedule in ${PIPE_SCHEDULES:-1f1b zbv}; do
+        run 0,1,2,3 ${PIPE_SECONDS:-80} pp.log bench/pipeline_schedules.py --schedules $schedule --microbatch-rows $rows \
+          --steps 5 --warmup 2 --profile-steps 1 --trace-dir "$out/pptraces"
+      done
+    done
+    python3 bench/pipeline_trace.py "$out/pptraces" | tee -a "$out/pp.log" ;;
   pipeline2)
     for layers in 8 4; do run 0 100 pp2.log bench/pipeline_split_backward.py --layers $layers; done
     for schedule in 1f1b zbv dualpipe_v; do

@@ -15,6 +15,8 @@ layers plus `--embedding-cost-layers` / `--head-cost-layers` (estimates), which 
     torchrun --nproc-per-node 4 bench/pipeline_schedules.py --schedules 1f1b zbv
     torchrun --nproc-per-node 4 bench/pipeline_schedules.py --schedules zbv --split-backward graph  # the fallback
     D9D_DEVICE=cpu torchrun --nproc-per-node 2 bench/pipeline_schedules.py --tiny   # seconds, CPU + gloo
+    torchrun --nproc-per-node 4 bench/pipeline_schedules.py --schedules zbv --trace-dir T  # + a traced step per rank
+    python3 bench/pipeline_trace.py T   # per rank: compute, waiting on a peer, starved, host time per action
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -119,9 +123,39 @@ def stage_costs(
     return tuple(costs)
 
 
+def trace_step(step: Callable[[], float], kind: str, rank: int, args: argparse.Namespace, *, cuda: bool) -> None:
+    """One more step under the profiler with host activity and every executor action as a named range, exported as
+    a Chrome trace per rank (`bench/pipeline_trace.py` reads them: host-bound vs waiting on a peer)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    executor = executor_module.PipelineExecutor
+    originals = {"_compute": executor._compute, "_communicate": executor._communicate}
+
+    def annotated(name: str) -> Callable[..., None]:
+        original = originals[name]
+
+        def run(self, action, task, step_state, *rest):  # noqa: ANN001, ANN002, ANN202
+            with record_function(f"pp:{action.kind.name}:s{action.stage}:m{action.microbatch}"):
+                original(self, action, task, step_state, *rest)
+
+        return run
+
+    try:
+        executor._compute = annotated("_compute")  # type: ignore[method-assign]
+        executor._communicate = annotated("_communicate")  # type: ignore[method-assign]
+        activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+        with profile(activities=activities) as prof, record_function("pp:step"):
+            step()
+    finally:
+        for name, original in originals.items():
+            setattr(executor, name, original)
+    args.trace_dir.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(args.trace_dir / f"pipeline-{kind}-rows{args.microbatch_rows}-rank{rank}.json"))
+
+
 def measure(ctx: DistributedContext, kind: str, args: argparse.Namespace) -> Row:
     shape = TINY if args.tiny else ANCHOR
-    params = Qwen3DenseParameters(**shape)
+    params = Qwen3DenseParameters(**{**shape, **({"vocab_size": args.vocab_size} if args.vocab_size else {})})
     cuda = ctx.device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     decoder = DecoderConfig()  # attention backend: environment, then capability detection
@@ -225,6 +259,8 @@ def measure(ctx: DistributedContext, kind: str, args: argparse.Namespace) -> Row
     simulated = replay(program).bubble_fraction
     weights = stage_costs(config, params.num_layers, program.layout.num_stages, args)
     weighted = replay(program, ActionCosts(stage_weights=weights)).bubble_fraction
+    if args.trace_dir is not None:
+        trace_step(step, kind, ctx.rank, args, cuda=cuda)
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
     return Row(
         schedule=kind,
@@ -274,9 +310,15 @@ def main() -> None:
         "estimate: 6.4 by FLOPs on the anchor, less where the layers are launch-bound)",
     )
     parser.add_argument("--embedding-cost-layers", type=float, default=0.5, help="the same for the embedding")
+    parser.add_argument(
+        "--vocab-size", type=int, help="override the vocabulary (a small one makes the head cost about one layer)"
+    )
     parser.add_argument("--tiny", action="store_true", help="a tiny model and short sequences (CPU smoke run)")
     parser.add_argument(
         "--split-backward", choices=["store", "graph"], default="store", help="weight-gradient store or graph walk"
+    )
+    parser.add_argument(
+        "--trace-dir", type=Path, help="also trace one step per rank (host ranges per action) into this folder"
     )
     args = parser.parse_args()
     ctx = DistributedContext.build(MeshDegrees(pp=int(os.environ.get("WORLD_SIZE", "1"))))

@@ -29,7 +29,7 @@ from torch import nn
 from d9d.core.loop.protocols import LossResult
 from d9d.pipeline.program import Action, ActionKind, Program, StageLayout
 from d9d.pipeline.runtime.fsdp_reduction import DeferredReduction, fsdp_roots
-from d9d.pipeline.runtime.p2p import Communicator, ReceiveHandle
+from d9d.pipeline.runtime.p2p import Communicator, ReceiveHandle, upstream_twin
 from d9d.pipeline.runtime.split_backward import WeightGradientWork, backward_input, backward_weight
 from d9d.pipeline.runtime.weight_store import (
     WeightGradientStore,
@@ -105,6 +105,9 @@ class PipelineExecutor:
             raise ValueError(f"pp={layout.pp} needs the pipeline process group")
         self.modules, self.layout, self.rank, self.device = dict(modules), layout, pipeline_rank, device
         self.group = group
+        # Messages to lower pipeline ranks get their own communicator (runtime/p2p.py); created here, where every
+        # member of the pipeline group builds its executor, not lazily inside a step.
+        self._upstream = upstream_twin(group) if group is not None else None
         self.split_backward = resolve_split_backward(split_backward)
         self.deferred_weight_gradients = 0  # work items the store's weight passes ran, over the executor's life
         self._fsdp = {
@@ -126,7 +129,10 @@ class PipelineExecutor:
             (action.stage, action.microbatch) for action in actions if action.kind is ActionKind.BACKWARD_INPUT
         )
         step = _Step(batches=batches, loss_scale=loss_scale, training=program.training, split=split)
-        comm = Communicator(self.group) if self.group is not None else None
+        comm = None
+        if self.group is not None:
+            assert self._upstream is not None
+            comm = Communicator(self.group, self._upstream)
         deferred = self._deferred_reductions(actions) if program.training else {}
         try:
             for reduction in deferred.values():
