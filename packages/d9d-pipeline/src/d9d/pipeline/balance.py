@@ -67,9 +67,11 @@ def suggest_virtual_layers(
     num_layers: int,
     num_microbatches: int,
     max_virtual_layers: int | None = None,
+    costs: PipelineCosts | None = None,
 ) -> SplitSimulation:
     """The `virtual_layers_pre/post` (each in `[0, max_virtual_layers]`, default twice a stage's even share) whose
-    program has the smallest simulated step time under `config.costs` (a simulation: see the module docstring).
+    program has the smallest simulated step time under `costs` (default `config.costs`; a simulation: see the module
+    docstring). Programs are built as `config` builds them: with `config.costs` when set, else uniform.
 
     Only splits that give every stage at least one real layer (and equal shares under `even_split`) are tried; the
     program is rebuilt for each, so a cost-aware zero-bubble schedule is planned for that split. Ties go to the
@@ -82,7 +84,7 @@ def suggest_virtual_layers(
     limit = 2 * -(-num_layers // num_stages) if max_virtual_layers is None else max_virtual_layers
     if limit < 0:
         raise ValueError(f"max_virtual_layers={max_virtual_layers} must be non-negative")
-    costs = config.costs or PipelineCosts()
+    costs = costs or config.costs or PipelineCosts()
     best: SplitSimulation | None = None
     seen: set[tuple[int, ...]] = set()
     for total in range(2 * limit + 1):  # fewest virtual layers first, so ties keep the simplest split
