@@ -14,9 +14,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from d9d.pipeline.program.actions import Action, ActionKind, F, I, W
+from d9d.pipeline.program.actions import Action, ActionKind, F, I, Program, W
+from d9d.pipeline.program.communication import insert_communication
 from d9d.pipeline.program.layout import StageLayout
-from d9d.pipeline.program.replay import StageCost
+from d9d.pipeline.program.replay import ActionCosts, StageCost, replay
 
 
 @dataclass
@@ -25,6 +26,7 @@ class _State:
     num_microbatches: int
     max_alive: Callable[[int], int]
     reserve_slot: bool = False
+    input_priority: int = 0  # 0: input gradients before forwards on ties; 2: after them
     forward_done: dict[tuple[int, int], float] = field(default_factory=dict)
     input_done: dict[tuple[int, int], float] = field(default_factory=dict)
     pending_weights: dict[int, list[Action]] = field(default_factory=dict)
@@ -43,10 +45,10 @@ class _State:
             if mb >= m or (stage, mb) not in self.forward_done:
                 continue
             if stage == layout.last_stage:
-                candidates.append((self.forward_done[(stage, mb)], 0, mb, I(stage, mb)))
+                candidates.append((self.forward_done[(stage, mb)], self.input_priority, mb, I(stage, mb)))
             elif (stage + 1, mb) in self.input_done:
                 ready = max(self.forward_done[(stage, mb)], self.input_done[(stage + 1, mb)])
-                candidates.append((ready, 0, mb, I(stage, mb)))
+                candidates.append((ready, self.input_priority, mb, I(stage, mb)))
         free = self.max_alive(rank) - self.alive.get(rank, 0)
         if free > 0:
             for stage in stages:
@@ -90,15 +92,42 @@ def greedy_zero_bubble(
 ) -> dict[int, list[Action]]:
     """Per-rank compute orders; `max_alive(rank)` bounds the forwards a rank holds before their weight gradient.
 
-    `stage_costs` (one per global stage) are the durations replayed; None: every action one unit."""
-    if stage_costs is not None and len(stage_costs) != layout.num_stages:
+    `stage_costs` (one per global stage) are the durations replayed; None: every action one unit, input gradients
+    first on ties. With costs, both tie orders (input gradients before or after forwards) are planned and the one
+    whose program replays faster under those costs is kept: which one wins depends on the costs (design note 0027).
+    """
+    if stage_costs is None:
+        return _greedy(layout, num_microbatches, max_alive, None, input_priority=0)
+    if len(stage_costs) != layout.num_stages:
         raise ValueError(
             f"stage_costs has {len(stage_costs)} entries; the layout has {layout.num_stages} global stages "
             f"(pp={layout.pp} x {layout.stages_per_rank}), one StageCost each"
         )
+    costs = ActionCosts(stage_costs=tuple(stage_costs))
+    best: tuple[float, dict[int, list[Action]]] | None = None
+    for input_priority in (0, 2):
+        order = _greedy(layout, num_microbatches, max_alive, stage_costs, input_priority=input_priority)
+        draft = Program("greedy", layout, num_microbatches, insert_communication(layout, order), training=True)
+        makespan = replay(draft, costs).makespan
+        if best is None or makespan < best[0]:
+            best = (makespan, order)
+    assert best is not None
+    return best[1]
+
+
+def _greedy(
+    layout: StageLayout,
+    num_microbatches: int,
+    max_alive: Callable[[int], int],
+    stage_costs: Sequence[StageCost] | None,
+    *,
+    input_priority: int,
+) -> dict[int, list[Action]]:
     # With uniform costs the order never fills a rank's slots with shallow-chunk forwards; with real costs (a cheap
     # first stage) it can, and then no micro-batch reaches the rank's deeper chunk: the last slot is kept for it.
-    state = _State(layout, num_microbatches, max_alive, reserve_slot=stage_costs is not None)
+    state = _State(
+        layout, num_microbatches, max_alive, reserve_slot=stage_costs is not None, input_priority=input_priority
+    )
     order: dict[int, list[Action]] = {rank: [] for rank in range(layout.pp)}
     clock = dict.fromkeys(range(layout.pp), 0.0)
     remaining = layout.num_stages * num_microbatches * 3
