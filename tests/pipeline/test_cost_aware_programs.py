@@ -189,3 +189,14 @@ def test_cost_aware_zbv_matches_single_process_pp2():
     assert loss_error < LOSS_RTOL
     assert norm_error < NORM_RTOL
     assert param_error < PARAM_ATOL
+
+
+def test_stage_configs_accept_a_cost_model():
+    from d9d.flows.jobs.topology import RankTopology
+
+    topology = RankTopology.model_validate(
+        {"pipeline": {"schedule": {"kind": "zbv"}, "costs": {"head": {"forward": 5.3, "backward_input": 17.8}}}}
+    )
+    assert topology.pipeline.costs == PipelineCosts(head=WorkCost(forward=5.3, backward_input=17.8))
+    with pytest.raises(ValidationError, match=r"pipeline.costs.head.backward\n.*Extra inputs"):
+        RankTopology.model_validate({"pipeline": {"costs": {"head": {"backward": 1}}}})
