@@ -123,6 +123,29 @@ def test_cost_aware_zero_bubble_programs_validate(kind, cost_model):
                 validate_program(plan.program(m))  # plan_pipeline validated too; checked again explicitly
 
 
+def _peak_alive(program) -> int:
+    """The most forwards any rank holds before their weight gradient (the activation memory bound)."""
+    peak = 0
+    for actions in program.ranks.values():
+        alive = 0
+        for action in actions:
+            alive += {"FORWARD": 1, "BACKWARD_WEIGHT": -1, "BACKWARD": -1}.get(action.kind.name, 0)
+            peak = max(peak, alive)
+    return peak
+
+
+@pytest.mark.parametrize("kind", sorted(ZERO_BUBBLE))
+def test_cost_aware_programs_keep_the_memory_bound(kind):
+    bound = {"zb_h1": 4, "zbv": 8}[kind]  # pp=4: p for ZB-H1, 2p stage-activations for ZBV
+    for costs in COST_MODELS.values():
+        for pre, post in ((0, 0), (4, 4), (1, 7)):
+            config = PipelineConfig(
+                schedule=ZERO_BUBBLE[kind], costs=costs, virtual_layers_pre=pre, virtual_layers_post=post
+            )
+            plan = plan_pipeline(config, pp=4, num_layers=32, num_microbatches=16)
+            assert _peak_alive(plan.program(16)) <= bound
+
+
 @pytest.mark.parametrize("kind", sorted(ZERO_BUBBLE))
 @pytest.mark.parametrize("split", [(0, 0), (4, 4), (1, 7)])
 def test_cost_aware_programs_are_no_slower_under_their_costs(kind, split):

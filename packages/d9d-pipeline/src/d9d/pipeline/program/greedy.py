@@ -93,8 +93,9 @@ def greedy_zero_bubble(
     """Per-rank compute orders; `max_alive(rank)` bounds the forwards a rank holds before their weight gradient.
 
     `stage_costs` (one per global stage) are the durations replayed; None: every action one unit, input gradients
-    first on ties. With costs, both tie orders (input gradients before or after forwards) are planned and the one
-    whose program replays faster under those costs is kept: which one wins depends on the costs (design note 0027).
+    first on ties. With costs, a small portfolio is planned: both tie orders (input gradients before or after
+    forwards), each with the bound and with one slot less (less memory, never more), and the order whose program
+    replays fastest under those costs is kept. Which one wins depends on the costs (design note 0027).
     """
     if stage_costs is None:
         return _greedy(layout, num_microbatches, max_alive, None, input_priority=0)
@@ -105,14 +106,25 @@ def greedy_zero_bubble(
         )
     costs = ActionCosts(stage_costs=tuple(stage_costs))
     best: tuple[float, dict[int, list[Action]]] | None = None
-    for input_priority in (0, 2):
-        order = _greedy(layout, num_microbatches, max_alive, stage_costs, input_priority=input_priority)
-        draft = Program("greedy", layout, num_microbatches, insert_communication(layout, order), training=True)
-        makespan = replay(draft, costs).makespan
-        if best is None or makespan < best[0]:
-            best = (makespan, order)
+    for slack in (0, 1):
+        bound = _tightened(max_alive, slack)
+        for input_priority in (0, 2):
+            try:
+                order = _greedy(layout, num_microbatches, bound, stage_costs, input_priority=input_priority)
+            except RuntimeError:
+                if slack == 0:
+                    raise  # the full bound always finishes; a stall there is a bug
+                continue  # one slot less can leave no room for a micro-batch to finish: not a candidate
+            draft = Program("greedy", layout, num_microbatches, insert_communication(layout, order), training=True)
+            makespan = replay(draft, costs).makespan
+            if best is None or makespan < best[0] - 1e-9:
+                best = (makespan, order)
     assert best is not None
     return best[1]
+
+
+def _tightened(max_alive: Callable[[int], int], slack: int) -> Callable[[int], int]:
+    return lambda rank: max(1, max_alive(rank) - slack)
 
 
 def _greedy(
