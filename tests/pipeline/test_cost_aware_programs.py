@@ -223,3 +223,14 @@ def test_stage_configs_accept_a_cost_model():
     assert topology.pipeline.costs == PipelineCosts(head=WorkCost(forward=5.3, backward_input=17.8))
     with pytest.raises(ValidationError, match=r"pipeline.costs.head.backward\n.*Extra inputs"):
         RankTopology.model_validate({"pipeline": {"costs": {"head": {"backward": 1}}}})
+
+
+@pytest.mark.parametrize("kind", ["1f1b", "interleaved_1f1b", "dualpipe_v"])
+def test_fixed_order_schedules_ignore_the_cost_model(kind):
+    # Their orders are written out phase by phase (design note 0027): a cost model only changes which split to pick.
+    config = PipelineConfig.model_validate({"schedule": {"kind": kind}})
+    plain = plan_pipeline(config, pp=4, num_layers=32, num_microbatches=16).program(16)
+    costed = plan_pipeline(
+        config.model_copy(update={"costs": MEASURED}), pp=4, num_layers=32, num_microbatches=16
+    ).program(16)
+    assert costed.ranks == plain.ranks
