@@ -15,6 +15,8 @@
 #   compile  : tp2 x dp_shard2 with compiled layers, async TP off and on
 #   pipeline : pipeline schedules at pp=4, then the GPU parity tests of every parallel style over NCCL
 #   pipelinebal: pipeline schedules at pp=4 with balanced virtual-layer splits against even ones
+#   pipecost : cost-aware ZBV (design 0027) against uniform-built ZBV, 1F1B and DualPipeV at their simulated-best
+#              splits under the measured cost model, 4 rows per micro-batch (bench/pipeline_balance.py's table)
 #   pipetrace: 1F1B and ZBV at 1 and 2 rows per micro-batch with a traced step per rank, then where each rank's
 #              time goes (bench/pipeline_trace.py)
 #   pipeline2: one stage's split backward against its full backward (ops, calls, host/device ms; 1 GPU), then
@@ -147,6 +149,16 @@ for part in "$@"; do case $part in
       run 0,1,2,3 ${PIPE_SECONDS:-100} pp.log bench/pipeline_schedules.py --schedules $1 --virtual-layers-pre $2 \
         --virtual-layers-post $3 --microbatch-rows ${PIPE_ROWS:-1} --head-cost-layers ${HEAD_COST:-4} --steps 5 \
         --warmup 2 --profile-steps 1
+    done ;;
+  pipecost)  # issue 16, design 0027: builders planned with the measured cost model (head F 5.3 I 17.8 W 0, embedding
+             # W 0.3, layer 1/1/1); PIPE_COST_RUNS: "schedule pre post costs" where costs is 1 (cost model) or 0
+    python3 bench/pipeline_balance.py | tee -a "$out/pp.log"
+    IFS=, read -r -a runs <<< "${PIPE_COST_RUNS:-zbv 4 3 1,zbv 4 4 0,1f1b 1 7 1,1f1b 0 7 1,dualpipe_v 4 3 1}"
+    for item in "${runs[@]}"; do
+      set -- $item
+      costs=(); [ "$4" = 1 ] && costs=(--head-costs 5.3 17.8 0 --embedding-costs 0 0 0.3)
+      run 0,1,2,3 ${PIPE_SECONDS:-100} pp.log bench/pipeline_schedules.py --schedules $1 --virtual-layers-pre $2 \
+        --virtual-layers-post $3 --microbatch-rows ${PIPE_ROWS:-4} --steps 5 --warmup 2 --profile-steps 1 "${costs[@]}"
     done ;;
   pipetrace)  # issue 16: 1F1B and ZBV (even split) at PIPE_ROWS_LIST rows per micro-batch, one traced step per rank
               # each, then bench/pipeline_trace.py: per rank compute, waiting on a peer, starved, host per action

@@ -10,12 +10,18 @@ not count as busy; the column `bubble, comm busy` counts them, as the benchmark 
 (`--tiny`) the busy time is the executor's compute actions instead. Simulated bubble = the same program replayed
 with uniform costs (forward = input gradient = weight gradient); `simulated, stage costs` charges each stage its
 layers plus `--embedding-cost-layers` / `--head-cost-layers` (estimates), which shows an unbalanced split.
+With a cost model (`--head-costs F I W`, `--embedding-costs F I W`, `--layer-costs F I W`, in layer-forward units;
+design note 0027) the zero-bubble builders (ZB-H1, ZBV) plan with it (`PipelineConfig.costs`) and `simulated, cost
+model` replays the program under it; `--suggest-split` then picks each schedule's `virtual_layers_pre/post` by
+simulation (`suggest_virtual_layers`) instead of `--virtual-layers-pre/post`.
 
     torchrun --nproc-per-node 4 bench/pipeline_schedules.py                         # 4 GPUs, all schedules
     torchrun --nproc-per-node 4 bench/pipeline_schedules.py --schedules 1f1b zbv
     torchrun --nproc-per-node 4 bench/pipeline_schedules.py --schedules zbv --split-backward graph  # the fallback
     D9D_DEVICE=cpu torchrun --nproc-per-node 2 bench/pipeline_schedules.py --tiny   # seconds, CPU + gloo
     torchrun --nproc-per-node 4 bench/pipeline_schedules.py --schedules zbv --trace-dir T  # + a traced step per rank
+    torchrun --nproc-per-node 4 bench/pipeline_schedules.py --microbatch-rows 4 --schedules zbv \
+        --head-costs 5.3 17.8 0 --embedding-costs 0 0 0.3 --virtual-layers-pre 4 --virtual-layers-post 3
     python3 bench/pipeline_trace.py T   # per rank: compute, waiting on a peer, starved, host time per action
 """
 
@@ -39,7 +45,16 @@ from d9d.core.loop import LossResult
 from d9d.models import DecoderConfig, materialize_
 from d9d.models.qwen3 import Qwen3DenseForCausalLM, Qwen3DenseParameters
 from d9d.parallel import clip_grad_norm_
-from d9d.pipeline import ActivationSpec, PipelineConfig, PipelineStage, build_pipeline_schedule, pipeline_group
+from d9d.pipeline import (
+    ActivationSpec,
+    PipelineConfig,
+    PipelineCosts,
+    PipelineStage,
+    WorkCost,
+    build_pipeline_schedule,
+    pipeline_group,
+    suggest_virtual_layers,
+)
 from d9d.pipeline.program import ActionCosts, replay
 from d9d.pipeline.runtime import executor as executor_module
 from trace_summary import union_length
@@ -85,6 +100,8 @@ class Row:
     bubble_counting_comm_busy: float  # the earlier definition: NCCL kernels count as busy
     simulated_bubble: float
     simulated_bubble_stage_costs: float  # each stage charged its layers plus the embedding's and the head's estimate
+    simulated_bubble_cost_model: float | None  # replayed under --head/--embedding/--layer-costs (None without them)
+    virtual_layers: str  # the split run, "pre/post"
     peak_gib: float
     split_backward: str  # how split-backward schedules split (design note 0024); unused by the others
 
@@ -123,6 +140,20 @@ def stage_costs(
     return tuple(costs)
 
 
+def cost_model(args: argparse.Namespace) -> PipelineCosts | None:
+    """`PipelineCosts` from `--layer-costs/--head-costs/--embedding-costs` (None when neither head nor embedding
+    costs are given: the builders plan with uniform costs, as before)."""
+    if args.head_costs is None and args.embedding_costs is None:
+        return None
+
+    def work(values: list[float] | None) -> WorkCost:
+        if values is None:
+            return WorkCost()
+        return WorkCost(forward=values[0], backward_input=values[1], backward_weight=values[2])
+
+    return PipelineCosts(layer=work(args.layer_costs), head=work(args.head_costs), embedding=work(args.embedding_costs))
+
+
 def trace_step(step: Callable[[], float], kind: str, rank: int, args: argparse.Namespace, *, cuda: bool) -> None:
     """One more step under the profiler with host activity and every executor action as a named range, exported as
     a Chrome trace per rank (`bench/pipeline_trace.py` reads them: host-bound vs waiting on a peer)."""
@@ -159,13 +190,21 @@ def measure(ctx: DistributedContext, kind: str, args: argparse.Namespace) -> Row
     cuda = ctx.device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     decoder = DecoderConfig()  # attention backend: environment, then capability detection
+    costs = cost_model(args)
     config = PipelineConfig.model_validate(
         {
             "schedule": SCHEDULES[kind],
             "virtual_layers_pre": args.virtual_layers_pre,
             "virtual_layers_post": args.virtual_layers_post,
+            "costs": costs,
         }
     )
+    if args.suggest_split:
+        best = suggest_virtual_layers(
+            config, pp=ctx.degrees.pp, num_layers=params.num_layers, num_microbatches=args.microbatches
+        )
+        split = {"virtual_layers_pre": best.virtual_layers_pre, "virtual_layers_post": best.virtual_layers_post}
+        config = config.model_copy(update=split)
     seq = 64 if args.tiny else 4096
 
     def build_stage(stage: PipelineStage) -> nn.Module:
@@ -259,6 +298,15 @@ def measure(ctx: DistributedContext, kind: str, args: argparse.Namespace) -> Row
     simulated = replay(program).bubble_fraction
     weights = stage_costs(config, params.num_layers, program.layout.num_stages, args)
     weighted = replay(program, ActionCosts(stage_weights=weights)).bubble_fraction
+    modelled = None
+    if costs is not None:
+        per_stage = costs.stage_costs(
+            program.layout.num_stages,
+            params.num_layers,
+            virtual_layers_pre=config.virtual_layers_pre,
+            virtual_layers_post=config.virtual_layers_post,
+        )
+        modelled = replay(program, ActionCosts(stage_costs=per_stage)).bubble_fraction
     if args.trace_dir is not None:
         trace_step(step, kind, ctx.rank, args, cuda=cuda)
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
@@ -273,6 +321,8 @@ def measure(ctx: DistributedContext, kind: str, args: argparse.Namespace) -> Row
         bubble_counting_comm_busy=measured[1],
         simulated_bubble=simulated,
         simulated_bubble_stage_costs=weighted,
+        simulated_bubble_cost_model=modelled,
+        virtual_layers=f"{config.virtual_layers_pre}/{config.virtual_layers_post}",
         peak_gib=peak,
         split_backward=schedule.executor.split_backward,
     )
@@ -310,6 +360,26 @@ def main() -> None:
         "estimate: 6.4 by FLOPs on the anchor, less where the layers are launch-bound)",
     )
     parser.add_argument("--embedding-cost-layers", type=float, default=0.5, help="the same for the embedding")
+    units = ("F", "I", "W")
+    parser.add_argument(
+        "--head-costs",
+        nargs=3,
+        type=float,
+        metavar=units,
+        help="cost model: the head's forward, input gradient and weight gradient in layer forwards (measured on 4 x "
+        "H200 at 4 rows: 5.3 17.8 0); the zero-bubble builders plan with it",
+    )
+    parser.add_argument(
+        "--embedding-costs", nargs=3, type=float, metavar=units, help="cost model: the same for the embedding (0 0 0.3)"
+    )
+    parser.add_argument(
+        "--layer-costs", nargs=3, type=float, default=[1.0, 1.0, 1.0], metavar=units, help="cost model: a layer's"
+    )
+    parser.add_argument(
+        "--suggest-split",
+        action="store_true",
+        help="pick virtual_layers_pre/post per schedule by simulation under the cost model (suggest_virtual_layers)",
+    )
     parser.add_argument(
         "--vocab-size", type=int, help="override the vocabulary (a small one makes the head cost about one layer)"
     )
@@ -321,6 +391,8 @@ def main() -> None:
         "--trace-dir", type=Path, help="also trace one step per rank (host ranges per action) into this folder"
     )
     args = parser.parse_args()
+    if args.suggest_split and cost_model(args) is None:
+        parser.error("--suggest-split needs a cost model: --head-costs and/or --embedding-costs")
     ctx = DistributedContext.build(MeshDegrees(pp=int(os.environ.get("WORLD_SIZE", "1"))))
     if ctx.device.type == "cuda":
         torch.cuda.set_device(ctx.device)
@@ -328,15 +400,18 @@ def main() -> None:
     if ctx.rank == 0:
         print(
             "| schedule | pp | micro-batches x rows | tokens/s per GPU | step s | measured bubble | bubble, comm busy"
-            " | simulated bubble | simulated, stage costs | peak GiB | split backward |",
+            " | simulated bubble | simulated, stage costs | simulated, cost model | pre/post | peak GiB"
+            " | split backward |",
         )
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for row in rows:
             print(
                 f"| {row.schedule} | {row.pp} | {row.microbatches} x {row.microbatch_rows}"
                 f" | {row.tokens_per_second_per_gpu:,.0f} | {row.step_seconds:.3f} | {row.measured_bubble:.3f}"
                 f" | {row.bubble_counting_comm_busy:.3f} | {row.simulated_bubble:.3f}"
-                f" | {row.simulated_bubble_stage_costs:.3f} | {row.peak_gib:.1f} | {row.split_backward} |"
+                f" | {row.simulated_bubble_stage_costs:.3f}"
+                f" | {'-' if row.simulated_bubble_cost_model is None else f'{row.simulated_bubble_cost_model:.3f}'}"
+                f" | {row.virtual_layers} | {row.peak_gib:.1f} | {row.split_backward} |"
             )
         print(json.dumps([asdict(row) for row in rows]))
     ctx.close()

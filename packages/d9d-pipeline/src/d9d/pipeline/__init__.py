@@ -5,6 +5,7 @@ point-to-point, and a step schedule for the core Trainer.
 Imports only d9d.core. See docs/pipeline.md and design note 0008.
 """
 
+from d9d.pipeline.balance import SplitSimulation, simulate_split, suggest_virtual_layers
 from d9d.pipeline.build import PipelineAuxLosses, build_pipeline_schedule, pipeline_group
 from d9d.pipeline.config import (
     AnyScheduleConfig,
@@ -18,6 +19,7 @@ from d9d.pipeline.config import (
     ZeroBubbleVConfig,
     plan_pipeline,
 )
+from d9d.pipeline.costs import PipelineCosts, WorkCost
 from d9d.pipeline.export import gather_pipeline_state, gather_pipeline_tensors
 from d9d.pipeline.runtime.executor import PipelineExecutor, SplitBackward
 from d9d.pipeline.runtime.model_view import merge_stage_modules
@@ -47,13 +49,16 @@ __all__ = [
     "OneFOneBConfig",
     "PipelineAuxLosses",
     "PipelineConfig",
+    "PipelineCosts",
     "PipelineExecutor",
     "PipelinePlan",
     "PipelineSchedule",
     "PipelineStage",
     "PipelineTask",
     "SplitBackward",
+    "SplitSimulation",
     "WeightGradientStore",
+    "WorkCost",
     "ZeroBubbleH1Config",
     "ZeroBubbleVConfig",
     "backward_input",
@@ -68,6 +73,8 @@ __all__ = [
     "merge_stage_modules",
     "pipeline_group",
     "plan_pipeline",
+    "simulate_split",
     "store_backward_input",
     "store_backward_weight",
+    "suggest_virtual_layers",
 ]

@@ -9,7 +9,8 @@ from typing import Annotated, Literal, assert_never
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from d9d.pipeline.program import Placement, Program, StageLayout
+from d9d.pipeline.costs import PipelineCosts
+from d9d.pipeline.program import Placement, Program, StageCost, StageLayout
 from d9d.pipeline.program.builders import (
     ComputeOrder,
     build_program,
@@ -67,9 +68,18 @@ class PipelineConfig(BaseModel):
     virtual_layers_pre: int = Field(default=0, ge=0, description="layer slots the embedding counts for (stage 0)")
     virtual_layers_post: int = Field(default=0, ge=0, description="layer slots the head counts for (last stage)")
     even_split: bool = Field(default=False, description="refuse a layer count the stages cannot share equally")
+    costs: PipelineCosts | None = Field(
+        default=None,
+        description="what layers, embedding and head cost; the zero-bubble builders (zb_h1, zbv) plan with it "
+        "(None: uniform costs, as before)",
+    )
 
 
-def _builder(config: AnyScheduleConfig, pp: int) -> Callable[[int], tuple[StageLayout, ComputeOrder]]:
+def _builder(
+    config: AnyScheduleConfig, pp: int, stage_costs: tuple[StageCost, ...] | None = None
+) -> Callable[[int], tuple[StageLayout, ComputeOrder]]:
+    """The compute-order builder of `config`; `stage_costs` (one per global stage) reach the greedy zero-bubble
+    builders; the other schedules have a fixed order."""
     match config:
         case GPipeConfig():
             return partial(gpipe, pp)
@@ -79,9 +89,9 @@ def _builder(config: AnyScheduleConfig, pp: int) -> Callable[[int], tuple[StageL
             stages = config.stages_per_rank
             return lambda m: interleaved_one_f_one_b(pp, m, stages)
         case ZeroBubbleH1Config():
-            return partial(zero_bubble_h1, pp)
+            return lambda m: zero_bubble_h1(pp, m, stage_costs)
         case ZeroBubbleVConfig():
-            return partial(zero_bubble_v, pp)
+            return lambda m: zero_bubble_v(pp, m, stage_costs)
         case DualPipeVConfig():
             return partial(dual_pipe_v, pp)
         case _:
@@ -119,9 +129,20 @@ class PipelinePlan:
     def stages_of(self, pipeline_rank: int) -> list[PipelineStage]:
         return [self.stage(index) for index in self.layout.stages_of(pipeline_rank)]
 
+    def stage_costs(self) -> tuple[StageCost, ...] | None:
+        """Each global stage's cost under `config.costs` (None without a cost model)."""
+        if self.config.costs is None:
+            return None
+        return self.config.costs.stage_costs(
+            self.layout.num_stages,
+            self.num_layers,
+            virtual_layers_pre=self.config.virtual_layers_pre,
+            virtual_layers_post=self.config.virtual_layers_post,
+        )
+
     def program(self, num_microbatches: int) -> Program:
         check_microbatches(self.config.schedule, self.layout.pp, num_microbatches)
-        builder = _builder(self.config.schedule, self.layout.pp)
+        builder = _builder(self.config.schedule, self.layout.pp, self.stage_costs())
         return build_program(self.config.schedule.kind, lambda: builder(num_microbatches), num_microbatches)
 
 

@@ -14,7 +14,7 @@ from d9d.pipeline.program.builders import (
 )
 from d9d.pipeline.program.communication import insert_communication
 from d9d.pipeline.program.layout import Placement, StageLayout
-from d9d.pipeline.program.replay import ActionCosts, ProgramError, TimedAction, Timeline, replay
+from d9d.pipeline.program.replay import ActionCosts, ProgramError, StageCost, TimedAction, Timeline, replay
 from d9d.pipeline.program.validate import validate_program
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "Placement",
     "Program",
     "ProgramError",
+    "StageCost",
     "StageLayout",
     "TimedAction",
     "Timeline",

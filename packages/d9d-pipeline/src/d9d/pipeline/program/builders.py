@@ -6,13 +6,13 @@ which that rank runs forwards (`F`), full backwards (`B`) or split backwards (`I
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from d9d.pipeline.program.actions import Action, B, F, I, Program, W
 from d9d.pipeline.program.communication import insert_communication, order_pairs
 from d9d.pipeline.program.greedy import greedy_zero_bubble
 from d9d.pipeline.program.layout import Placement, StageLayout
-from d9d.pipeline.program.replay import replay
+from d9d.pipeline.program.replay import StageCost, replay
 from d9d.pipeline.program.validate import validate_program
 
 ComputeOrder = dict[int, list[Action]]
@@ -61,18 +61,19 @@ def interleaved_one_f_one_b(p: int, m: int, v: int) -> tuple[StageLayout, Comput
     return layout, order
 
 
-def zero_bubble_h1(p: int, m: int) -> tuple[StageLayout, ComputeOrder]:
+def zero_bubble_h1(p: int, m: int, stage_costs: Sequence[StageCost] | None = None) -> tuple[StageLayout, ComputeOrder]:
     """ZB-H1: 1F1B's peak memory (no rank holds more than `p` micro-batches' activations) with the backward split into
-    `I` and `W`; weight gradients fill what would be 1F1B's bubbles (greedy order, see `greedy`)."""
+    `I` and `W`; weight gradients fill what would be 1F1B's bubbles (greedy order, see `greedy`). `stage_costs`: one
+    per stage, the durations the greedy order is planned with (None: uniform)."""
     layout = StageLayout(p)
-    return layout, greedy_zero_bubble(layout, m, max_alive=lambda _rank: p)
+    return layout, greedy_zero_bubble(layout, m, max_alive=lambda _rank: p, stage_costs=stage_costs)
 
 
-def zero_bubble_v(p: int, m: int) -> tuple[StageLayout, ComputeOrder]:
+def zero_bubble_v(p: int, m: int, stage_costs: Sequence[StageCost] | None = None) -> tuple[StageLayout, ComputeOrder]:
     """ZBV: two stages per rank in a V (rank `r` holds `r` and `2p-1-r`), split backward, greedy zero-bubble order
-    with at most `2p` stage-activations alive per rank (the memory of 1F1B)."""
+    with at most `2p` stage-activations alive per rank (the memory of 1F1B). `stage_costs` as for ZB-H1."""
     layout = StageLayout(p, 2, Placement.V)
-    return layout, greedy_zero_bubble(layout, m, max_alive=lambda _rank: 2 * p)
+    return layout, greedy_zero_bubble(layout, m, max_alive=lambda _rank: 2 * p, stage_costs=stage_costs)
 
 
 class _DualPipeVRank:

@@ -19,9 +19,43 @@ class ProgramError(ValueError):
 
 
 @dataclass(frozen=True)
+class StageCost:
+    """What one global stage's actions cost on one micro-batch: forward, input gradient and weight gradient (a full
+    backward costs `backward_input + backward_weight`). Any time unit; the bench uses decoder-layer forwards."""
+
+    forward: float = 1.0
+    backward_input: float = 1.0
+    backward_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("forward", "backward_input", "backward_weight"):
+            value = getattr(self, name)
+            if not value >= 0 or value == float("inf"):  # also rejects NaN
+                raise ValueError(f"StageCost.{name}={value} must be a finite non-negative duration")
+
+    def of(self, kind: ActionKind) -> float:
+        """The duration of a compute action of `kind` (0 for communication)."""
+        match kind:
+            case ActionKind.FORWARD:
+                return self.forward
+            case ActionKind.BACKWARD:
+                return self.backward_input + self.backward_weight
+            case ActionKind.BACKWARD_INPUT:
+                return self.backward_input
+            case ActionKind.BACKWARD_WEIGHT:
+                return self.backward_weight
+            case _:
+                return 0.0
+
+
+@dataclass(frozen=True)
 class ActionCosts:
     """Durations of one stage's work on one micro-batch, for a whole rank's share of the model (a rank holding `v`
-    stages spends `cost / v` per stage action). Full backward = input + weight gradient."""
+    stages spends `cost / v` per stage action). Full backward = input + weight gradient.
+
+    `stage_costs` instead gives every global stage its own forward, input-gradient and weight-gradient duration
+    (absolute: not divided by the stages per rank, not scaled); it replaces `forward`, `backward_*` and
+    `stage_weights`, which then must keep their defaults."""
 
     forward: float = 1.0
     backward_input: float = 1.0
@@ -30,11 +64,45 @@ class ActionCosts:
     # Relative cost of each global stage's actions (e.g. its layers, plus what the embedding and the head cost in
     # layers), scaled to a mean of 1 so the total work stays that of equal stages; None: every stage the same.
     stage_weights: tuple[float, ...] | None = None
+    stage_costs: tuple[StageCost, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.stage_costs is None:
+            return
+        if self.stage_weights is not None or (self.forward, self.backward_input, self.backward_weight) != (1, 1, 1):
+            raise ValueError(
+                "ActionCosts.stage_costs gives every stage its own forward/backward_input/backward_weight; leave "
+                f"stage_weights (got {self.stage_weights}) and forward/backward_input/backward_weight (got "
+                f"{self.forward}/{self.backward_input}/{self.backward_weight}) at their defaults"
+            )
+        if not self.stage_costs:
+            raise ValueError("ActionCosts.stage_costs=() must name one StageCost per global stage")
 
     def weight_of(self, stage: int) -> float:
         if self.stage_weights is None:
             return 1.0
         return self.stage_weights[stage] * len(self.stage_weights) / sum(self.stage_weights)
+
+    def check_stages(self, num_stages: int) -> None:
+        """Raise `ValueError` naming the values unless the per-stage fields fit `num_stages` global stages."""
+        weights = self.stage_weights
+        if weights is not None and (len(weights) != num_stages or min(weights) < 0 or sum(weights) <= 0):
+            raise ValueError(
+                f"ActionCosts.stage_weights={weights} must give each of the {num_stages} stages a "
+                "non-negative weight, not all zero"
+            )
+        if self.stage_costs is not None and len(self.stage_costs) != num_stages:
+            raise ValueError(
+                f"ActionCosts.stage_costs has {len(self.stage_costs)} entries; the program has {num_stages} global "
+                "stages, one StageCost each"
+            )
+
+    def of(self, action: Action, stages_per_rank: int) -> float:
+        """The simulated duration of compute `action` on a rank holding `stages_per_rank` stages."""
+        if self.stage_costs is not None:
+            return self.stage_costs[action.stage].of(action.kind)
+        uniform = StageCost(self.forward, self.backward_input, self.backward_weight)
+        return uniform.of(action.kind) / stages_per_rank * self.weight_of(action.stage)
 
 
 @dataclass(frozen=True)
@@ -65,21 +133,6 @@ class Timeline:
         return 0.0 if total == 0 else 1.0 - sum(self.busy(rank) for rank in self.ranks) / total
 
 
-def _cost(action: Action, costs: ActionCosts, stages_per_rank: int) -> float:
-    match action.kind:
-        case ActionKind.FORWARD:
-            value = costs.forward
-        case ActionKind.BACKWARD:
-            value = costs.backward_input + costs.backward_weight
-        case ActionKind.BACKWARD_INPUT:
-            value = costs.backward_input
-        case ActionKind.BACKWARD_WEIGHT:
-            value = costs.backward_weight
-        case _:
-            return 0.0
-    return value / stages_per_rank * costs.weight_of(action.stage)
-
-
 @dataclass
 class _Channel:
     sent: list[tuple[MessageKey, float]] = field(default_factory=list)  # key, time the send was posted
@@ -89,12 +142,7 @@ class _Channel:
 class _Replay:
     def __init__(self, program: Program, costs: ActionCosts) -> None:
         self.program, self.costs, self.layout = program, costs, program.layout
-        weights = costs.stage_weights
-        if weights is not None and (len(weights) != self.layout.num_stages or min(weights) < 0 or sum(weights) <= 0):
-            raise ValueError(
-                f"ActionCosts.stage_weights={weights} must give each of the {self.layout.num_stages} stages a "
-                "non-negative weight, not all zero"
-            )
+        costs.check_stages(self.layout.num_stages)
         self.pc = dict.fromkeys(program.ranks, 0)
         self.clock = dict.fromkeys(program.ranks, 0.0)
         self.done: dict[Action, float] = {}  # compute action -> end time
@@ -141,7 +189,7 @@ class _Replay:
             return False
         self.check_not_duplicated(rank, action)
         start = max(self.clock[rank], ready)
-        end = start + _cost(action, self.costs, self.layout.stages_per_rank)
+        end = start + self.costs.of(action, self.layout.stages_per_rank)
         self.clock[rank] = end
         self.done[action] = end
         self.timeline.ranks[rank].append(TimedAction(action, start, end))

@@ -1,0 +1,236 @@
+"""Cost-aware zero-bubble programs (design note 0027): per-stage, per-kind costs in the simulator, the `PipelineCosts`
+model, greedy ZB-H1/ZBV orders planned with it, the split search, and one gloo parity run of a cost-aware ZBV."""
+
+from functools import partial
+
+import pytest
+import torch.distributed as dist
+from pipeline_workload import (
+    LAYERS,
+    all_ranks_max,
+    context,
+    max_param_error,
+    max_relative,
+    pipelined_run,
+    shared_reference,
+)
+from pydantic import ValidationError
+
+from d9d.pipeline import (
+    PipelineConfig,
+    PipelineCosts,
+    PipelineStage,
+    WorkCost,
+    ZeroBubbleH1Config,
+    ZeroBubbleVConfig,
+    plan_pipeline,
+    simulate_split,
+    suggest_virtual_layers,
+)
+from d9d.pipeline.program import (
+    ActionCosts,
+    StageCost,
+    build_program,
+    one_f_one_b,
+    replay,
+    validate_program,
+    zero_bubble_v,
+)
+
+# The dense anchor measured on 4 x H200 at 4 x 4096 tokens per micro-batch, in layer-forward units: the chunked loss
+# puts the whole head backward in the input gradient, the embedding's backward is a weight gradient.
+MEASURED = PipelineCosts(
+    head=WorkCost(forward=5.3, backward_input=17.8, backward_weight=0.0),
+    embedding=WorkCost(backward_weight=0.3),
+)
+COST_MODELS = {
+    "measured": MEASURED,
+    "heavy_embedding": PipelineCosts(embedding=WorkCost(forward=3.0, backward_weight=6.0)),
+    "free_weight_gradients": PipelineCosts(layer=WorkCost(forward=1.0, backward_input=2.0, backward_weight=0.0)),
+    "slow_layers_light_head": PipelineCosts(
+        layer=WorkCost(forward=2.0, backward_input=1.5, backward_weight=3.0), head=WorkCost(forward=0.5)
+    ),
+}
+ZERO_BUBBLE = {"zb_h1": ZeroBubbleH1Config(), "zbv": ZeroBubbleVConfig()}
+
+
+def test_stage_cost_rejects_negative_and_non_finite_durations():
+    with pytest.raises(ValueError, match=r"StageCost.forward=-1.0 must be a finite non-negative"):
+        StageCost(forward=-1.0)
+    with pytest.raises(ValueError, match=r"StageCost.backward_weight=nan"):
+        StageCost(backward_weight=float("nan"))
+    with pytest.raises(ValueError, match=r"StageCost.backward_input=inf"):
+        StageCost(backward_input=float("inf"))
+
+
+def test_stage_costs_must_match_the_stages_and_replace_the_uniform_fields():
+    program = build_program("zbv", partial(zero_bubble_v, 2, 4), 4)  # 4 global stages
+    with pytest.raises(ValueError, match=r"stage_costs has 3 entries; the program has 4 global stages"):
+        replay(program, ActionCosts(stage_costs=(StageCost(),) * 3))
+    with pytest.raises(ValueError, match=r"leave stage_weights \(got \(1.0, 2.0\)\)"):
+        ActionCosts(stage_weights=(1.0, 2.0), stage_costs=(StageCost(), StageCost()))
+    with pytest.raises(ValueError, match=r"forward/backward_input/backward_weight \(got 2.0/1.0/1.0\)"):
+        ActionCosts(forward=2.0, stage_costs=(StageCost(),))
+    with pytest.raises(ValueError, match=r"stage_costs=\(\) must name one StageCost per global stage"):
+        ActionCosts(stage_costs=())
+
+
+def test_pipeline_costs_reject_bad_values_naming_the_field():
+    with pytest.raises(ValidationError, match=r"head.backward_input\n.*greater than or equal to 0"):
+        PipelineCosts.model_validate({"head": {"backward_input": -2}})
+    with pytest.raises(ValidationError, match=r"layer.backward\n.*Extra inputs are not permitted"):
+        PipelineCosts.model_validate({"layer": {"backward": 2}})
+    with pytest.raises(ValidationError, match=r"costs.embedding.forward\n.*finite number"):
+        PipelineConfig.model_validate({"costs": {"embedding": {"forward": "inf"}}})
+
+
+def test_stage_costs_follow_the_layers_of_each_stage():
+    # 8 layers, pre 1, post 1 over 4 stages: 10 slots as 3, 3, 2, 2: stage 0 gets layers 0-1 plus the embedding,
+    # stage 3 layer 7 plus the head.
+    costs = MEASURED.stage_costs(4, 8, virtual_layers_pre=1, virtual_layers_post=1)
+    layers = [len(PipelineStage(i, 4, 1, 1).layers(8)) for i in range(4)]
+    assert layers == [2, 3, 2, 1]
+    assert costs[0] == StageCost(forward=2.0, backward_input=2.0, backward_weight=2.3)
+    assert costs[1] == StageCost(3.0, 3.0, 3.0)
+    assert costs[3] == StageCost(forward=1.0 + 5.3, backward_input=1.0 + 17.8, backward_weight=1.0)
+
+
+def test_per_stage_costs_charge_each_action_its_own_kind():
+    program = build_program("1f1b", partial(one_f_one_b, 2, 4), 4)
+    uniform = replay(program)
+    same = replay(program, ActionCosts(stage_costs=(StageCost(), StageCost())))
+    assert same.makespan == pytest.approx(uniform.makespan)
+    # A last stage whose input gradient costs 10: its full backward costs 11 (input + weight gradient).
+    heavy = replay(program, ActionCosts(stage_costs=(StageCost(), StageCost(backward_input=10.0))))
+    durations = {item.action: item.end - item.start for item in heavy.ranks[1]}
+    assert {round(value, 9) for action, value in durations.items() if action.kind.name == "BACKWARD"} == {11.0}
+    assert heavy.makespan > uniform.makespan
+
+
+@pytest.mark.parametrize("cost_model", sorted(COST_MODELS))
+@pytest.mark.parametrize("kind", sorted(ZERO_BUBBLE))
+def test_cost_aware_zero_bubble_programs_validate(kind, cost_model):
+    for pp in (2, 4):
+        for m in (8, 16):
+            for pre, post in ((0, 0), (2, 4)):
+                config = PipelineConfig(
+                    schedule=ZERO_BUBBLE[kind],
+                    costs=COST_MODELS[cost_model],
+                    virtual_layers_pre=pre,
+                    virtual_layers_post=post,
+                )
+                plan = plan_pipeline(config, pp=pp, num_layers=16, num_microbatches=m)
+                validate_program(plan.program(m))  # plan_pipeline validated too; checked again explicitly
+
+
+def _peak_alive(program) -> int:
+    """The most forwards any rank holds before their weight gradient (the activation memory bound)."""
+    peak = 0
+    for actions in program.ranks.values():
+        alive = 0
+        for action in actions:
+            alive += {"FORWARD": 1, "BACKWARD_WEIGHT": -1, "BACKWARD": -1}.get(action.kind.name, 0)
+            peak = max(peak, alive)
+    return peak
+
+
+@pytest.mark.parametrize("kind", sorted(ZERO_BUBBLE))
+def test_cost_aware_programs_keep_the_memory_bound(kind):
+    bound = {"zb_h1": 4, "zbv": 8}[kind]  # pp=4: p for ZB-H1, 2p stage-activations for ZBV
+    for costs in COST_MODELS.values():
+        for pre, post in ((0, 0), (4, 4), (1, 7)):
+            config = PipelineConfig(
+                schedule=ZERO_BUBBLE[kind], costs=costs, virtual_layers_pre=pre, virtual_layers_post=post
+            )
+            plan = plan_pipeline(config, pp=4, num_layers=32, num_microbatches=16)
+            assert _peak_alive(plan.program(16)) <= bound
+
+
+@pytest.mark.parametrize("kind", sorted(ZERO_BUBBLE))
+@pytest.mark.parametrize("split", [(0, 0), (4, 4), (1, 7)])
+def test_cost_aware_programs_are_no_slower_under_their_costs(kind, split):
+    pre, post = split
+    uniform = PipelineConfig(schedule=ZERO_BUBBLE[kind], virtual_layers_pre=pre, virtual_layers_post=post)
+    aware = uniform.model_copy(update={"costs": MEASURED})
+    shape = {"pp": 4, "num_layers": 32, "num_microbatches": 16}
+    built_uniform = simulate_split(uniform, costs=MEASURED, **shape)
+    built_aware = simulate_split(aware, **shape)
+    assert built_aware.makespan <= built_uniform.makespan + 1e-9, (built_aware, built_uniform)
+
+
+def test_no_cost_model_builds_todays_programs():
+    # `costs=None` reaches the builders as no costs at all: the same program as the builder alone, action by action.
+    for pp, m in ((2, 8), (4, 16)):
+        plan = plan_pipeline(PipelineConfig(schedule=ZeroBubbleVConfig()), pp=pp, num_layers=16, num_microbatches=m)
+        direct = build_program("zbv", partial(zero_bubble_v, pp, m), m)
+        assert plan.program(m).ranks == direct.ranks
+        aware = plan_pipeline(
+            PipelineConfig(schedule=ZeroBubbleVConfig(), costs=MEASURED), pp=pp, num_layers=16, num_microbatches=m
+        )
+        assert aware.program(m).ranks != direct.ranks  # the cost model does reach the builder
+
+
+@pytest.mark.parametrize("kind", ["1f1b", "zbv"])
+def test_suggested_split_is_valid_and_beats_the_even_split(kind):
+    config = PipelineConfig.model_validate({"schedule": {"kind": kind}, "costs": MEASURED.model_dump()})
+    shape = {"pp": 2, "num_layers": 16, "num_microbatches": 8}
+    best = suggest_virtual_layers(config, **shape)
+    even = simulate_split(config, **shape)
+    chosen = config.model_copy(
+        update={"virtual_layers_pre": best.virtual_layers_pre, "virtual_layers_post": best.virtual_layers_post}
+    )
+    again = simulate_split(chosen, **shape)  # plans (validates) the suggested split and reproduces its numbers
+    assert again == best
+    assert min(best.layers_per_stage) >= 1 and sum(best.layers_per_stage) == 16
+    assert best.makespan <= even.makespan
+    assert best.makespan < even.makespan  # the heavy head on the last stage leaves room to balance
+    with pytest.raises(ValueError, match=r"max_virtual_layers=-1 must be non-negative"):
+        suggest_virtual_layers(config, max_virtual_layers=-1, **shape)
+
+
+STEPS, ROWS = 10, 8
+# Same workload and tolerances as test_pipeline_parity.py (float32; its docstring explains them): a cost model only
+# reorders the same actions, so the step's sums differ from single-process training by the same few ulps.
+LOSS_RTOL, NORM_RTOL, PARAM_ATOL = 1e-6, 5e-6, 2e-6
+
+
+@pytest.mark.distributed(world_size=2, timeout=240)
+def test_cost_aware_zbv_matches_single_process_pp2():
+    costs = PipelineCosts(head=WorkCost(forward=3.0, backward_input=9.0), embedding=WorkCost(backward_weight=0.5))
+    config = PipelineConfig(schedule=ZeroBubbleVConfig(), costs=costs, virtual_layers_post=1)
+    ctx = context(2)
+    plan = plan_pipeline(config, pp=2, num_layers=LAYERS, num_microbatches=ROWS)
+    uniform = plan_pipeline(config.model_copy(update={"costs": None}), pp=2, num_layers=LAYERS, num_microbatches=ROWS)
+    assert plan.program(ROWS).ranks != uniform.program(ROWS).ranks  # a different order really runs
+    record = pipelined_run(ctx, "dense", config, steps=STEPS, global_rows=ROWS)
+    reference = shared_reference("dense", steps=STEPS, global_rows=ROWS)
+    loss_error = max_relative(record.losses, [step.losses[0] for step in reference])
+    norm_error = max_relative(record.grad_norms, [step.grad_norms[0] for step in reference])
+    param_error = all_ranks_max(max_param_error(record.params, reference[-1].params))
+    if dist.get_rank() == 0:
+        print(f"cost-aware zbv pp=2: loss {loss_error:.1e} norm {norm_error:.1e} params {param_error:.1e}")
+    assert loss_error < LOSS_RTOL
+    assert norm_error < NORM_RTOL
+    assert param_error < PARAM_ATOL
+
+
+def test_stage_configs_accept_a_cost_model():
+    from d9d.flows.jobs.topology import RankTopology
+
+    topology = RankTopology.model_validate(
+        {"pipeline": {"schedule": {"kind": "zbv"}, "costs": {"head": {"forward": 5.3, "backward_input": 17.8}}}}
+    )
+    assert topology.pipeline.costs == PipelineCosts(head=WorkCost(forward=5.3, backward_input=17.8))
+    with pytest.raises(ValidationError, match=r"pipeline.costs.head.backward\n.*Extra inputs"):
+        RankTopology.model_validate({"pipeline": {"costs": {"head": {"backward": 1}}}})
+
+
+@pytest.mark.parametrize("kind", ["1f1b", "interleaved_1f1b", "dualpipe_v"])
+def test_fixed_order_schedules_ignore_the_cost_model(kind):
+    # Their orders are written out phase by phase (design note 0027): a cost model only changes which split to pick.
+    config = PipelineConfig.model_validate({"schedule": {"kind": kind}})
+    plain = plan_pipeline(config, pp=4, num_layers=32, num_microbatches=16).program(16)
+    costed = plan_pipeline(
+        config.model_copy(update={"costs": MEASURED}), pp=4, num_layers=32, num_microbatches=16
+    ).program(16)
+    assert costed.ranks == plain.ranks
