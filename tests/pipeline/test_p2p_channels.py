@@ -7,8 +7,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from d9d.core.dist import DistributedContext, MeshDegrees
 from d9d.core.testing import run_on_ranks
-from d9d.pipeline.runtime.p2p import Communicator, upstream_twin
+from d9d.pipeline import pipeline_group, pipeline_upstream_group
+from d9d.pipeline.runtime.p2p import Communicator
 
 
 def test_each_direction_travels_on_its_own_group():
@@ -19,7 +21,7 @@ def test_each_direction_travels_on_its_own_group():
 
     def body() -> list[float]:
         group = dist.new_group([0, 1, 2])
-        twin = upstream_twin(group)
+        twin = dist.new_group([0, 1, 2])  # what `pipeline_upstream_group` makes: the same ranks again
         comm = Communicator(group, twin)
         rank = dist.get_rank()
         got: list[float] = []
@@ -39,3 +41,25 @@ def test_each_direction_travels_on_its_own_group():
         return got
 
     assert run_on_ranks(3, body, timeout_seconds=60) == [[20.0], [100.0, 102.0], [10.0]]
+
+
+def test_upstream_group_holds_this_ranks_pipeline_ranks_under_pp_x_dp():
+    """pp=2 x dp_shard=2 over four ranks: every rank's second group holds exactly its pipeline group's ranks (the
+    groups are created by every rank in one order, so building a schedule twice in a process works too)."""
+
+    def body() -> list[list[int]]:
+        ctx = DistributedContext.build(MeshDegrees(pp=2, dp_shard=2), device="cpu")  # type: ignore[arg-type]
+        try:
+            seen = []
+            for _ in range(2):
+                group, upstream = pipeline_group(ctx), pipeline_upstream_group(ctx)
+                assert group is not None and upstream is not None and upstream is not group
+                seen.append(dist.get_process_group_ranks(upstream))
+                assert seen[-1] == dist.get_process_group_ranks(group)
+            return seen
+        finally:
+            ctx.close()
+
+    results = run_on_ranks(4, body, timeout_seconds=120, init_process_group=False)
+    assert all(len(ranks) == 2 and sorted(ranks) == ranks for seen in results for ranks in seen)
+    assert results[0][0] != results[1][0]  # ranks 0 and 1 sit in different pipelines

@@ -6,7 +6,7 @@ Imports only d9d.core. See docs/pipeline.md and design note 0008.
 """
 
 from d9d.pipeline.balance import SplitSimulation, simulate_split, suggest_virtual_layers
-from d9d.pipeline.build import PipelineAuxLosses, build_pipeline_schedule, pipeline_group
+from d9d.pipeline.build import PipelineAuxLosses, build_pipeline_schedule, pipeline_group, pipeline_upstream_group
 from d9d.pipeline.config import (
     AnyScheduleConfig,
     DualPipeVConfig,
@@ -72,6 +72,7 @@ __all__ = [
     "gather_pipeline_tensors",
     "merge_stage_modules",
     "pipeline_group",
+    "pipeline_upstream_group",
     "plan_pipeline",
     "simulate_split",
     "store_backward_input",

@@ -25,6 +25,24 @@ def pipeline_group(ctx: DistributedContext) -> dist.ProcessGroup | None:
     return ctx.mesh_for(MeshDomain.REGULAR)["pp"].get_group()
 
 
+def pipeline_upstream_group(ctx: DistributedContext) -> dist.ProcessGroup | None:
+    """A second group over this rank's pipeline ranks, for the messages to lower pipeline ranks (design 0026; None
+    without pipeline parallelism). Every rank creates one per pipeline group of the mesh, in the same order, as
+    `new_group` wants: a collective creation, named like the mesh's own groups."""
+    if ctx.degrees.pp == 1:
+        return None
+    mesh = ctx.mesh_for(MeshDomain.REGULAR)
+    names = mesh.mesh_dim_names or ()
+    by_pipeline = mesh.mesh.movedim(names.index("pp"), -1).reshape(-1, ctx.degrees.pp)
+    mine: dist.ProcessGroup | None = None
+    for ranks in by_pipeline.tolist():
+        group = dist.new_group(ranks)
+        if ctx.rank in ranks:
+            mine = group
+    assert isinstance(mine, dist.ProcessGroup), f"rank {ctx.rank} is in no pipeline group of {by_pipeline.tolist()}"
+    return mine
+
+
 def build_pipeline_schedule(
     config: PipelineConfig,
     ctx: DistributedContext,
@@ -55,6 +73,7 @@ def build_pipeline_schedule(
         modules=modules,
         pipeline_rank=rank,
         group=pipeline_group(ctx),
+        upstream_group=pipeline_upstream_group(ctx),
         device=ctx.device,
         split_backward=split_backward,
     )

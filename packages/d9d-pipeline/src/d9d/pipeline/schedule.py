@@ -44,11 +44,18 @@ class PipelineSchedule:
         group: dist.ProcessGroup | None,
         device: torch.device,
         split_backward: SplitBackward | None = None,
+        upstream_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.name, self._build, self.layout = name, build, layout
         self.pipeline_rank, self.group, self.device = pipeline_rank, group, device
         self.executor = PipelineExecutor(
-            modules, layout, pipeline_rank=pipeline_rank, group=group, device=device, split_backward=split_backward
+            modules,
+            layout,
+            pipeline_rank=pipeline_rank,
+            group=group,
+            upstream_group=upstream_group,
+            device=device,
+            split_backward=split_backward,
         )
         self.model = merge_stage_modules([modules[stage] for stage in sorted(modules)])
         self._programs: dict[tuple[int, bool], Program] = {}

@@ -29,7 +29,7 @@ from torch import nn
 from d9d.core.loop.protocols import LossResult
 from d9d.pipeline.program import Action, ActionKind, Program, StageLayout
 from d9d.pipeline.runtime.fsdp_reduction import DeferredReduction, fsdp_roots
-from d9d.pipeline.runtime.p2p import Communicator, ReceiveHandle, upstream_twin
+from d9d.pipeline.runtime.p2p import Communicator, ReceiveHandle
 from d9d.pipeline.runtime.split_backward import WeightGradientWork, backward_input, backward_weight
 from d9d.pipeline.runtime.weight_store import (
     WeightGradientStore,
@@ -95,6 +95,7 @@ class PipelineExecutor:
         group: dist.ProcessGroup | None,
         device: torch.device,
         split_backward: SplitBackward | None = None,
+        upstream_group: dist.ProcessGroup | None = None,
     ) -> None:
         expected = set(layout.stages_of(pipeline_rank))
         if set(modules) != expected:
@@ -105,9 +106,10 @@ class PipelineExecutor:
             raise ValueError(f"pp={layout.pp} needs the pipeline process group")
         self.modules, self.layout, self.rank, self.device = dict(modules), layout, pipeline_rank, device
         self.group = group
-        # Messages to lower pipeline ranks get their own communicator (runtime/p2p.py); created here, where every
-        # member of the pipeline group builds its executor, not lazily inside a step.
-        self._upstream = upstream_twin(group) if group is not None else None
+        # Messages to lower pipeline ranks travel on `upstream_group` (the same ranks as `group`; runtime/p2p.py,
+        # `build.pipeline_upstream_group`). Without one, both directions share `group`, as before design 0026: the
+        # programs' common order per pair of ranks keeps that correct on NCCL.
+        self._upstream = upstream_group if upstream_group is not None else group
         self.split_backward = resolve_split_backward(split_backward)
         self.deferred_weight_gradients = 0  # work items the store's weight passes ran, over the executor's life
         self._fsdp = {

@@ -6,7 +6,8 @@ receive, which a valid program may do only after this rank's receive has been co
 semantics do not have). Receives are waited when their tensor is needed, sends at the end of the step.
 
 Messages travel on two process groups over the same ranks, one per direction (design 0026): to a higher pipeline rank
-(activations, mostly) on `group`, to a lower one (gradients, mostly) on its twin. NCCL runs all of one communicator's
+(activations, mostly) on `group`, to a lower one (gradients, mostly) on a second group over the same ranks
+(`d9d.pipeline.build.pipeline_upstream_group`). NCCL runs all of one communicator's
 operations between two ranks on one stream in issue order; with one group, a receive posted early (its data not yet
 sent) held up every later send to that peer, a dependency the program does not have. With a group per direction, each
 stream carries one channel, whose order the program already fixes (message `k` lands in receive `k`).
@@ -33,18 +34,10 @@ class ReceiveHandle:
         self.done = True
 
 
-def upstream_twin(group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """A second group over `group`'s ranks, for the messages to lower pipeline ranks. Only the members create it
-    (pipeline groups are disjoint, so every rank creates its one twin in the same order as its peers)."""
-    twin = dist.new_group(dist.get_process_group_ranks(group), use_local_synchronization=True)
-    assert isinstance(twin, dist.ProcessGroup)
-    return twin
-
-
 @dataclass
 class Communicator:
     group: dist.ProcessGroup  # messages to higher pipeline ranks
-    upstream: dist.ProcessGroup  # the same ranks: messages to lower pipeline ranks
+    upstream: dist.ProcessGroup  # the same ranks (or `group` itself): messages to lower pipeline ranks
     _sends: list[tuple[dist.Work | None, torch.Tensor]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
