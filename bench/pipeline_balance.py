@@ -24,14 +24,7 @@ from d9d.pipeline import (
     simulate_split,
     suggest_virtual_layers,
 )
-
-SCHEDULES = {
-    "1f1b": {"kind": "1f1b"},
-    "interleaved_1f1b": {"kind": "interleaved_1f1b", "stages_per_rank": 2},
-    "zb_h1": {"kind": "zb_h1"},
-    "zbv": {"kind": "zbv"},
-    "dualpipe_v": {"kind": "dualpipe_v"},
-}
+from pipeline_schedules import SCHEDULES  # one table of schedule configs for both benchmarks
 
 
 def cost_model(args: argparse.Namespace) -> PipelineCosts:
