@@ -13,7 +13,9 @@
 #              1 GPU; fsdp, ep with the dense layouts whole, split and kept, deep_ep whole; routing imbalance
 #   kerneltests: GPU tests in the pytest process (kernels at real sizes, models); run after forking parts
 #   compile  : tp2 x dp_shard2 with compiled layers, async TP off and on
-#   pipeline : pipeline schedules at pp=4, then the GPU parity tests of every parallel style over NCCL
+#   pipeline : pipeline schedules at pp=4 (PIPE_SCHEDULES), one launch each
+#   pipetests: the NCCL parity tests of every pipeline schedule (tests/pipeline/test_gpu_pipeline.py)
+#   pipecomm : 1F1B, ZBV, DualPipeV with a 16k vocabulary at 4 rows per micro-batch (design 0026's check)
 #   pipelinebal: pipeline schedules at pp=4 with balanced virtual-layer splits against even ones
 #   pipecost : cost-aware ZBV (design 0027) against uniform-built ZBV, 1F1B and DualPipeV at their simulated-best
 #              splits under the measured cost model, 4 rows per micro-batch (bench/pipeline_balance.py's table)
@@ -139,6 +141,15 @@ for part in "$@"; do case $part in
     for schedule in ${PIPE_SCHEDULES:-1f1b interleaved_1f1b zbv dualpipe_v}; do
       run 0,1,2,3 ${PIPE_SECONDS:-100} pp.log bench/pipeline_schedules.py --schedules $schedule --steps 5 --warmup 2 \
         --profile-steps 1
+    done ;;
+  pipetests)  # the NCCL parity tests of every schedule (pp=world; pp2 x tp2, pp2 x cp2 on 4 GPUs), failures in full
+    timeout ${PIPE_TEST_SECONDS:-420} python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -m gpu \
+      tests/pipeline/test_gpu_pipeline.py 2>&1 | tee "$out/pipeline-tests.log" | tail -40 | cut -c1-300 ;;
+  pipecomm)  # design 0026: 1F1B, ZBV and DualPipeV with a 16k vocabulary (the head about one layer), 4 rows per
+             # micro-batch, even split: measured against simulated bubble with the two communicators per pipeline
+    for schedule in ${PIPE_SCHEDULES:-1f1b zbv dualpipe_v}; do
+      run 0,1,2,3 ${PIPE_SECONDS:-90} pp.log bench/pipeline_schedules.py --schedules $schedule --vocab-size 16384 \
+        --microbatch-rows 4 --head-cost-layers 1 --steps 5 --warmup 2 --profile-steps 1
     done ;;
   pipelinebal)  # issue 16: balanced splits (virtual layers for the embedding and the head) against even ones; the
                 # compute-only measured bubble beside the earlier one; PIPE_ROWS rows per micro-batch (default 1)
