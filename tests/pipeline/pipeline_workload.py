@@ -321,3 +321,22 @@ def all_ranks_max(value: float, device: torch.device | None = None) -> float:
     tensor = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return float(tensor)
+
+
+@dataclass(frozen=True)
+class ParityErrors:
+    """How far a pipelined run is from single-process training: the largest relative error of the per-step losses
+    and grad norms, and the largest absolute error of the final parameters over every rank."""
+
+    loss: float
+    norm: float
+    params: float
+
+
+def errors_against(record: RunRecord, reference: list[RunRecord], device: torch.device | None = None) -> ParityErrors:
+    """`record` (this rank's pipelined run) against `reference` (`shared_reference`'s steps); a collective."""
+    return ParityErrors(
+        loss=max_relative(record.losses, [step.losses[0] for step in reference]),
+        norm=max_relative(record.grad_norms, [step.grad_norms[0] for step in reference]),
+        params=all_ranks_max(max_param_error(record.params, reference[-1].params), device),
+    )

@@ -7,14 +7,16 @@ import pytest
 import torch.distributed as dist
 from pipeline_workload import (
     LAYERS,
-    all_ranks_max,
     context,
-    max_param_error,
-    max_relative,
+    errors_against,
     pipelined_run,
     shared_reference,
 )
 from pydantic import ValidationError
+
+# Same workload and tolerances as test_pipeline_parity.py (float32; its docstring explains them): a cost model only
+# reorders the same actions, so the step's sums differ from single-process training by the same few ulps.
+from test_pipeline_parity import LOSS_RTOL, NORM_RTOL, PARAM_ATOL, ROWS, STEPS
 
 from d9d.pipeline import (
     PipelineConfig,
@@ -188,12 +190,6 @@ def test_suggested_split_is_valid_and_beats_the_even_split(kind):
         suggest_virtual_layers(config, max_virtual_layers=-1, **shape)
 
 
-STEPS, ROWS = 10, 8
-# Same workload and tolerances as test_pipeline_parity.py (float32; its docstring explains them): a cost model only
-# reorders the same actions, so the step's sums differ from single-process training by the same few ulps.
-LOSS_RTOL, NORM_RTOL, PARAM_ATOL = 1e-6, 5e-6, 2e-6
-
-
 @pytest.mark.distributed(world_size=2, timeout=240)
 def test_cost_aware_zbv_matches_single_process_pp2():
     costs = PipelineCosts(head=WorkCost(forward=3.0, backward_input=9.0), embedding=WorkCost(backward_weight=0.5))
@@ -203,15 +199,12 @@ def test_cost_aware_zbv_matches_single_process_pp2():
     uniform = plan_pipeline(config.model_copy(update={"costs": None}), pp=2, num_layers=LAYERS, num_microbatches=ROWS)
     assert plan.program(ROWS).ranks != uniform.program(ROWS).ranks  # a different order really runs
     record = pipelined_run(ctx, "dense", config, steps=STEPS, global_rows=ROWS)
-    reference = shared_reference("dense", steps=STEPS, global_rows=ROWS)
-    loss_error = max_relative(record.losses, [step.losses[0] for step in reference])
-    norm_error = max_relative(record.grad_norms, [step.grad_norms[0] for step in reference])
-    param_error = all_ranks_max(max_param_error(record.params, reference[-1].params))
+    errors = errors_against(record, shared_reference("dense", steps=STEPS, global_rows=ROWS))
     if dist.get_rank() == 0:
-        print(f"cost-aware zbv pp=2: loss {loss_error:.1e} norm {norm_error:.1e} params {param_error:.1e}")
-    assert loss_error < LOSS_RTOL
-    assert norm_error < NORM_RTOL
-    assert param_error < PARAM_ATOL
+        print(f"cost-aware zbv pp=2: loss {errors.loss:.1e} norm {errors.norm:.1e} params {errors.params:.1e}")
+    assert errors.loss < LOSS_RTOL
+    assert errors.norm < NORM_RTOL
+    assert errors.params < PARAM_ATOL
 
 
 def test_stage_configs_accept_a_cost_model():

@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from pipeline_workload import all_ranks_max, context, max_param_error, max_relative, pipelined_run, shared_reference
+from pipeline_workload import context, errors_against, pipelined_run, shared_reference
 from test_pipeline_parity import SCHEDULES
 
 from d9d.core.testing import run_on_ranks
@@ -42,14 +42,8 @@ def test_nccl_pipeline_matches_single_process(schedule):
                 ctx, family, PipelineConfig(schedule=SCHEDULES[schedule]), steps=STEPS, global_rows=ROWS
             )
             reference = shared_reference(family, steps=STEPS, global_rows=ROWS, device=ctx.device)
-            results.append(
-                (
-                    family,
-                    max_relative(record.losses, [step.losses[0] for step in reference]),
-                    max_relative(record.grad_norms, [step.grad_norms[0] for step in reference]),
-                    all_ranks_max(max_param_error(record.params, reference[-1].params), ctx.device),
-                )
-            )
+            errors = errors_against(record, reference, ctx.device)
+            results.append((family, errors.loss, errors.norm, errors.params))
         return results
 
     for family, loss, norm, params in run_on_ranks(world, body, init_process_group=False, timeout_seconds=600)[0]:
@@ -75,14 +69,8 @@ def test_nccl_pipeline_with_tensor_parallelism_matches_single_process(schedule):
             config = PipelineConfig(schedule=SCHEDULES[schedule])
             record = pipelined_run(ctx, family, config, steps=STEPS, global_rows=ROWS, fsdp=True)
             reference = shared_reference(family, steps=STEPS, global_rows=ROWS, device=ctx.device)
-            results.append(
-                (
-                    family,
-                    max_relative(record.losses, [step.losses[0] for step in reference]),
-                    max_relative(record.grad_norms, [step.grad_norms[0] for step in reference]),
-                    all_ranks_max(max_param_error(record.params, reference[-1].params), ctx.device),
-                )
-            )
+            errors = errors_against(record, reference, ctx.device)
+            results.append((family, errors.loss, errors.norm, errors.params))
         return results
 
     for family, loss, norm, params in run_on_ranks(4, body, init_process_group=False, timeout_seconds=600)[0]:
@@ -110,14 +98,8 @@ def test_nccl_pipeline_with_context_parallelism_matches_single_process(schedule,
         for family in ("dense", "moe_z_loss"):
             record = pipelined_cp_run(ctx, family, PipelineConfig(schedule=SCHEDULES[schedule]), attention)
             reference = cp_reference(family, device=ctx.device)
-            results.append(
-                (
-                    family,
-                    max_relative(record.losses, [step.losses[0] for step in reference]),
-                    max_relative(record.grad_norms, [step.grad_norms[0] for step in reference]),
-                    all_ranks_max(max_param_error(record.params, reference[-1].params), ctx.device),
-                )
-            )
+            errors = errors_against(record, reference, ctx.device)
+            results.append((family, errors.loss, errors.norm, errors.params))
         return results
 
     for family, loss, norm, params in run_on_ranks(4, body, init_process_group=False, timeout_seconds=600)[0]:

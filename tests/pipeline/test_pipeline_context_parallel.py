@@ -42,11 +42,9 @@ from pipeline_workload import (
     OPTIMIZER,
     VOCAB,
     RunRecord,
-    all_ranks_max,
     build_meta,
+    errors_against,
     load_initial,
-    max_param_error,
-    max_relative,
 )
 from test_pipeline_parity import SCHEDULES
 from torch import nn
@@ -201,8 +199,8 @@ def _check(ctx: DistributedContext, schedule: str, attention: str, families: tup
         record = pipelined_cp_run(ctx, family, PipelineConfig(schedule=SCHEDULES[schedule]), attention)
         reference = shared_reference(family)
         losses, norms = [step.losses[0] for step in reference], [step.grad_norms[0] for step in reference]
-        loss, norm = max_relative(record.losses, losses), max_relative(record.grad_norms, norms)
-        params = all_ranks_max(max_param_error(record.params, reference[-1].params))
+        errors = errors_against(record, reference)
+        loss, norm, params = errors.loss, errors.norm, errors.params
         if dist.get_rank() == 0:
             print(f"{family} {schedule} {attention} ({layout}): loss {loss:.1e} norm {norm:.1e} params {params:.1e}")
         assert loss < LOSS_RTOL, (record.losses, losses)

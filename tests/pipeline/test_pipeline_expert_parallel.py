@@ -11,7 +11,7 @@ expert sums into the parameters).
 
 import pytest
 import torch.distributed as dist
-from pipeline_workload import all_ranks_max, max_param_error, max_relative, pipelined_run, shared_reference
+from pipeline_workload import errors_against, pipelined_run, shared_reference
 from test_pipeline_parity import LOSS_RTOL, NORM_RTOL, ROWS, SCHEDULES, STEPS
 
 from d9d.core.dist import DistributedContext, MeshDegrees
@@ -27,12 +27,11 @@ def test_pp2_with_ep2_matches_single_process():
     record = pipelined_run(
         ctx, "moe", PipelineConfig(schedule=SCHEDULES["1f1b"]), steps=STEPS, global_rows=ROWS, fsdp=True
     )
-    reference = shared_reference("moe", steps=STEPS, global_rows=ROWS)
-    loss_error = max_relative(record.losses, [step.losses[0] for step in reference])
-    norm_error = max_relative(record.grad_norms, [step.grad_norms[0] for step in reference])
-    param_error = all_ranks_max(max_param_error(record.params, reference[-1].params))
+    errors = errors_against(record, shared_reference("moe", steps=STEPS, global_rows=ROWS))
     if dist.get_rank() == 0:
-        print(f"moe 1f1b pp=2 dp_shard=2 ep=2: loss {loss_error:.1e} norm {norm_error:.1e} params {param_error:.1e}")
-    assert loss_error < LOSS_RTOL
-    assert norm_error < NORM_RTOL
-    assert param_error < PARAM_ATOL
+        print(
+            f"moe 1f1b pp=2 dp_shard=2 ep=2: loss {errors.loss:.1e} norm {errors.norm:.1e} params {errors.params:.1e}"
+        )
+    assert errors.loss < LOSS_RTOL
+    assert errors.norm < NORM_RTOL
+    assert errors.params < PARAM_ATOL

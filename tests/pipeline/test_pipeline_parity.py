@@ -13,10 +13,8 @@ import os
 import pytest
 import torch.distributed as dist
 from pipeline_workload import (
-    all_ranks_max,
     context,
-    max_param_error,
-    max_relative,
+    errors_against,
     pipelined_run,
     shared_reference,
 )
@@ -59,17 +57,13 @@ def _check(family: str, config: PipelineConfig, pp: int, dp_shard: int = 1) -> N
     else:
         assert record.deferred_weight_gradients == 0
     reference = shared_reference(family, steps=STEPS, global_rows=ROWS)
-    losses = [step.losses[0] for step in reference]
-    norms = [step.grad_norms[0] for step in reference]
-    loss_error = max_relative(record.losses, losses)
-    norm_error = max_relative(record.grad_norms, norms)
-    param_error = all_ranks_max(max_param_error(record.params, reference[-1].params))
+    errors = errors_against(record, reference)
     if dist.get_rank() == 0:
         print(f"{family} {config.schedule.kind} pp={pp} dp_shard={dp_shard}: ", end="")
-        print(f"loss {loss_error:.1e} norm {norm_error:.1e} params {param_error:.1e}")
-    assert loss_error < LOSS_RTOL, (record.losses, losses)
-    assert norm_error < NORM_RTOL, (record.grad_norms, norms)
-    assert param_error < PARAM_ATOL
+        print(f"loss {errors.loss:.1e} norm {errors.norm:.1e} params {errors.params:.1e}")
+    assert errors.loss < LOSS_RTOL, (record.losses, [step.losses[0] for step in reference])
+    assert errors.norm < NORM_RTOL, (record.grad_norms, [step.grad_norms[0] for step in reference])
+    assert errors.params < PARAM_ATOL
 
 
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))

@@ -16,12 +16,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from pipeline_workload import (
-    all_ranks_max,
     build_meta,
     context,
+    errors_against,
     load_initial,
-    max_param_error,
-    max_relative,
     pipelined_run,
 )
 from pipeline_workload import shared_reference as reference_of
@@ -47,8 +45,8 @@ def _check(ctx: DistributedContext, schedule: str) -> None:
         record = pipelined_run(ctx, family, config, steps=STEPS, global_rows=ROWS, fsdp=True)
         reference = reference_of(family, steps=STEPS, global_rows=ROWS)
         losses, norms = [step.losses[0] for step in reference], [step.grad_norms[0] for step in reference]
-        loss, norm = max_relative(record.losses, losses), max_relative(record.grad_norms, norms)
-        params = all_ranks_max(max_param_error(record.params, reference[-1].params))
+        errors = errors_against(record, reference)
+        loss, norm, params = errors.loss, errors.norm, errors.params
         if dist.get_rank() == 0:
             print(f"{family} {schedule} {layout}: loss {loss:.1e} norm {norm:.1e} params {params:.1e}")
         assert loss < LOSS_RTOL, (record.losses, losses)
