@@ -1,0 +1,246 @@
+"""Host work per pipeline action: one stage's F, I (store), W (store) and full B, with the kernel ops called through
+the dispatcher and directly.
+
+A pipeline stage of a few layers per micro-batch is host-bound when the host takes longer to queue an action than
+the GPU takes to run it (ZBV on 4 x H200, issue 16: 22 ms of host for an I of 5 layers whose kernels take 8.5 ms).
+This script times the host side of each action of a middle stage (no embedding, no head) of the dense anchor
+(bench/anchor_models.py), as the executor runs it: `F` a forward marked for the weight-gradient store (design note
+0024), `I store` / `W store` its split backward, `B` an unmarked forward's full backward (timed without the forward).
+Each pass is timed with the Triton kernel pieces called through `torch.library` dispatch (`dispatch`, as before
+d9d-kernels 0.5.0) and directly (`direct`, `kernel_op`'s eager path); the two alternate within every repeat, so
+drift on a shared machine hits both alike. Also printed: kernel-op calls per layer and per pass, and with
+`--profile` the top host functions (cProfile) of one direct F and I.
+
+On CPU (`D9D_DEVICE=cpu`) the Triton kernels cannot run natively: the script sets `TRITON_INTERPRET=1` and replaces
+the kernels' launches with nothing (`--kernels triton`, the default): every other piece of host work (the launcher's
+allocations and arguments, the ops, autograd, the store) is real, the kernels' outputs are left uninitialised, and
+the times are the host work around the launches, not a step's. `--kernels eager` uses the eager references instead
+(no kernel ops at all). On a GPU every kernel launches; host time is then measured up to the queueing (no sync).
+CPU times are the calling thread's CPU time with one intra-op thread (`torch.set_num_threads(1)`): with two
+threads on a shared 2-core machine the matmuls wait on each other and dominate, and wall time counts the time other
+processes hold the cores.
+
+    D9D_DEVICE=cpu python bench/pipeline_host_overhead.py --tiny                # seconds on CPU
+    D9D_DEVICE=cpu python bench/pipeline_host_overhead.py --tiny --profile 15   # + the top host functions
+    python bench/pipeline_host_overhead.py --layers 5                           # one GPU, ZBV's 5-layer stage
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import functools
+import io
+import json
+import os
+import pstats
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ON_CPU = os.environ.get("D9D_DEVICE") == "cpu"
+if ON_CPU:  # before Triton is imported: its kernels decorate for the interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch
+
+from anchor_models import DENSE, tiny
+from d9d.kernels.rms_norm import EagerRmsNormConfig, TritonRmsNormConfig
+from d9d.kernels.rope import EagerRopeConfig, TritonRopeConfig
+from d9d.kernels.swiglu import EagerSwiGluConfig, TritonSwiGluConfig
+try:
+    from d9d.kernels.triton_support import KernelOp, set_kernel_op_calls
+except ImportError:  # d9d-kernels before 0.5.0 (a baseline run on older sources): every kernel call dispatches
+    KernelOp, set_kernel_op_calls = None, None  # type: ignore[assignment,misc]
+from d9d.models import DecoderConfig, materialize_
+from d9d.models.qwen3 import Qwen3DenseForCausalLM
+from d9d.pipeline import PipelineStage, deferring_weight_gradients, store_backward_input, store_backward_weight
+
+MODES = ("dispatch", "direct")
+PASSES = ("F", "I store", "W store", "B")
+
+
+class _Unlaunched:
+    """A Triton kernel whose launch does nothing (CPU host-time runs only: see the module docstring)."""
+
+    def __getitem__(self, grid: object) -> Callable[..., None]:
+        del grid
+        return lambda *args, **kwargs: None
+
+
+def skip_triton_launches() -> int:
+    """Replace the jitted kernels of the dense layer's Triton modules with `_Unlaunched`; how many were replaced."""
+    from d9d.kernels.rms_norm import triton_kernels as rms_norm
+    from d9d.kernels.rope import triton_kernels as rope
+    from d9d.kernels.swiglu import triton_kernels as swiglu
+
+    replaced = 0
+    for module in (rms_norm, rope, swiglu):
+        for name, value in list(vars(module).items()):
+            if name.startswith("_") and name.endswith("_kernel") and type(value).__module__.startswith("triton"):
+                setattr(module, name, _Unlaunched())
+                replaced += 1
+    return replaced
+
+
+def decoder_config(kernels: str) -> DecoderConfig:
+    if kernels == "triton":
+        return DecoderConfig(rms_norm=TritonRmsNormConfig(), swiglu=TritonSwiGluConfig(), rope=TritonRopeConfig())
+    return DecoderConfig(rms_norm=EagerRmsNormConfig(), swiglu=EagerSwiGluConfig(), rope=EagerRopeConfig())
+
+
+# On CPU the calling thread's CPU time: everything runs on it (one intra-op thread, CPU autograd runs backward on
+# the caller), and unlike wall time it does not count the time other processes of a shared machine hold the cores.
+# On a GPU wall time: queueing can also block (a full launch queue), which is host time the GPU waits for.
+_CLOCK = time.thread_time if ON_CPU else time.perf_counter
+
+
+def host_seconds(fn: Callable[[], Any]) -> tuple[Any, float]:
+    began = _CLOCK()
+    result = fn()
+    return result, _CLOCK() - began
+
+
+class CallCounter:
+    """Counts `KernelOp` calls while installed (an untimed pass; nothing on sources without `KernelOp`)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self._original = KernelOp.__call__ if KernelOp is not None else None
+
+    def __enter__(self) -> CallCounter:
+        original = self._original
+        if original is None:
+            return self
+
+        def counting(op: KernelOp[Any, Any], *args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            return original(op, *args, **kwargs)
+
+        KernelOp.__call__ = counting  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._original is not None:
+            KernelOp.__call__ = self._original  # type: ignore[method-assign]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU)")
+    parser.add_argument("--layers", type=int, default=5, help="layers of the stage (5: ZBV's stage at pp=4, 32 layers)")
+    parser.add_argument("--rows", type=int, default=1, help="rows per micro-batch")
+    parser.add_argument("--seq", type=int, default=None, help="sequence length (default 64 tiny, else 4096)")
+    parser.add_argument("--kernels", choices=("triton", "eager"), default="triton")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--profile", type=int, default=0, help="print this many top host functions of F and I")
+    parser.add_argument("--json", help="also write the rows here")
+    args = parser.parse_args()
+    device = torch.device(os.environ.get("D9D_DEVICE", "cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cpu" and not ON_CPU:
+        parser.error("no GPU here: run on CPU with D9D_DEVICE=cpu (it sets up Triton's interpreter)")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    launches = "real"
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+        torch.set_flush_denormal(True)  # the skipped kernels leave outputs uninitialised
+        if args.kernels == "triton":
+            launches = f"skipped ({skip_triton_launches()} kernels)"
+    seq = args.seq or (64 if args.tiny else 4096)
+    params = (tiny(DENSE) if args.tiny else DENSE).model_copy(update={"num_layers": 3 * args.layers})
+    with torch.device("meta"):
+        module = Qwen3DenseForCausalLM(params, config=decoder_config(args.kernels), stage=PipelineStage(1, 3))
+    materialize_(module, device)
+    module = module.to(dtype)
+    torch.manual_seed(0)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def forward(*, deferring: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+        x = torch.randn(args.rows, seq, params.hidden_size, device=device, dtype=dtype, requires_grad=True)
+        grad = torch.randn_like(x)
+        sync()
+        with deferring_weight_gradients(deferring):  # as the executor marks the forwards the store will split
+            out, host = host_seconds(lambda: module(None, hidden_states=x).hidden_states)
+        return x, out, grad, host
+
+    def passes() -> dict[str, float]:
+        """One split micro-batch (F, I, W) and one full-backward micro-batch (B): host seconds of each."""
+        x, out, grad, f_host = forward(deferring=True)
+        sync()
+        (_, store), i_host = host_seconds(functools.partial(store_backward_input, [out], [grad], [x]))
+        del out
+        sync()
+        _, w_host = host_seconds(functools.partial(store_backward_weight, store))
+        module.zero_grad(set_to_none=True)
+        x, out, grad, _ = forward(deferring=False)
+        sync()
+        _, b_host = host_seconds(functools.partial(torch.autograd.backward, [out], [grad]))
+        sync()
+        module.zero_grad(set_to_none=True)
+        return {"F": f_host, "I store": i_host, "W store": w_host, "B": b_host}
+
+    calls: dict[str, int] = {}
+    for name, run in (
+        ("F", lambda: forward(deferring=True)),
+        ("B", lambda: torch.autograd.backward(*forward(deferring=False)[1:3])),
+    ):
+        with CallCounter() as counter:
+            run()
+        calls[name] = counter.calls - calls.get("F", 0)  # B's count ran a forward first
+        module.zero_grad(set_to_none=True)
+    modes = MODES if set_kernel_op_calls is not None else MODES[:1]
+
+    def set_mode(mode: str) -> None:
+        if set_kernel_op_calls is not None:
+            set_kernel_op_calls(mode)  # type: ignore[arg-type]
+
+    samples: dict[str, dict[str, list[float]]] = {mode: {name: [] for name in PASSES} for mode in MODES}
+    for mode in modes:  # warm-up: the autotuners and allocator caches of both
+        set_mode(mode)
+        passes()
+    for _ in range(args.repeats):
+        for mode in modes:
+            set_mode(mode)
+            for name, seconds in passes().items():
+                samples[mode][name].append(seconds)
+    set_mode("direct")
+    print(
+        f"# {device} {dtype}, middle stage of {args.layers} layers, {args.rows} x {seq} tokens, {args.kernels} "
+        f"kernels (launches {launches}); kernel-op calls per layer: F {calls['F'] / args.layers:g}, "
+        f"B {calls['B'] / args.layers:g}; median of {args.repeats}"
+    )
+    print("| pass | host ms, dispatch | host ms, direct | saved | per layer, dispatch | per layer, direct |")
+    print("|---|---|---|---|---|---|")
+    rows = []
+    for name in PASSES:
+        before = statistics.median(samples["dispatch"][name]) * 1e3
+        after = statistics.median(samples["direct"][name] or samples["dispatch"][name]) * 1e3
+        rows.append({"pass": name, "dispatch_ms": before, "direct_ms": after, "layers": args.layers})
+        print(
+            f"| {name} | {before:.2f} | {after:.2f} | {1 - after / before:.0%} | {before / args.layers:.2f} | "
+            f"{after / args.layers:.2f} |"
+        )
+    if args.profile:
+        for name, run in (("F", lambda: forward(deferring=True)), ("I store", None)):
+            profiler = cProfile.Profile()
+            if run is None:
+                x, out, grad, _ = forward(deferring=True)
+                profiler.runcall(store_backward_input, [out], [grad], [x])
+            else:
+                profiler.runcall(run)
+            module.zero_grad(set_to_none=True)
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.profile)
+            print(f"\n## cProfile, direct {name} (tottime)\n" + text.getvalue().split("\n\n", 1)[-1].strip())
+    if args.json:
+        with Path(args.json).open("w") as handle:
+            json.dump(rows, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()
