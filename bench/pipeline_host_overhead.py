@@ -6,8 +6,8 @@ the GPU takes to run it (ZBV on 4 x H200, issue 16: 22 ms of host for an I of 5 
 This script times the host side of each action of a middle stage (no embedding, no head) of the dense anchor
 (bench/anchor_models.py), as the executor runs it: `F` a forward marked for the weight-gradient store (design note
 0024), `I store` / `W store` its split backward, `B` an unmarked forward's full backward (timed without the forward).
-Each pass is timed with the Triton kernel pieces called through `torch.library` dispatch (`dispatch`, as before
-d9d-kernels 0.5.0) and directly (`direct`, `kernel_op`'s eager path); the two alternate within every repeat, so
+Each pass is timed with the Triton kernel pieces called through `torch.library` dispatch (`dispatch`, the only
+path before `kernel_op`) and directly (`direct`, `kernel_op`'s eager path); the two alternate within every repeat, so
 drift on a shared machine hits both alike. Also printed: kernel-op calls per layer and per pass, and with
 `--profile` the top host functions (cProfile) of one direct F and I.
 
@@ -40,23 +40,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ON_CPU = os.environ.get("D9D_DEVICE") == "cpu"
-if ON_CPU:  # before Triton is imported: its kernels decorate for the interpreter
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import torch
 
-from anchor_models import DENSE, tiny
-from d9d.kernels.rms_norm import EagerRmsNormConfig, TritonRmsNormConfig
-from d9d.kernels.rope import EagerRopeConfig, TritonRopeConfig
-from d9d.kernels.swiglu import EagerSwiGluConfig, TritonSwiGluConfig
-try:
-    from d9d.kernels.triton_support import KernelOp, set_kernel_op_calls
-except ImportError:  # d9d-kernels before 0.5.0 (a baseline run on older sources): every kernel call dispatches
-    KernelOp, set_kernel_op_calls = None, None  # type: ignore[assignment,misc]
-from d9d.models import DecoderConfig, materialize_
-from d9d.models.qwen3 import Qwen3DenseForCausalLM
-from d9d.pipeline import PipelineStage, deferring_weight_gradients, store_backward_input, store_backward_weight
+ON_CPU = os.environ.get("D9D_DEVICE") == "cpu"
+if ON_CPU:  # before d9d imports Triton (in main): its kernels decorate for the interpreter at import
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 MODES = ("dispatch", "direct")
 PASSES = ("F", "I store", "W store", "B")
@@ -85,7 +73,13 @@ def skip_triton_launches() -> int:
     return replaced
 
 
-def decoder_config(kernels: str) -> DecoderConfig:
+def decoder_config(kernels: str) -> Any:
+    """The `DecoderConfig` with every dense-layer kernel family on `kernels`."""
+    from d9d.kernels.rms_norm import EagerRmsNormConfig, TritonRmsNormConfig
+    from d9d.kernels.rope import EagerRopeConfig, TritonRopeConfig
+    from d9d.kernels.swiglu import EagerSwiGluConfig, TritonSwiGluConfig
+    from d9d.models import DecoderConfig
+
     if kernels == "triton":
         return DecoderConfig(rms_norm=TritonRmsNormConfig(), swiglu=TritonSwiGluConfig(), rope=TritonRopeConfig())
     return DecoderConfig(rms_norm=EagerRmsNormConfig(), swiglu=EagerSwiGluConfig(), rope=EagerRopeConfig())
@@ -106,25 +100,26 @@ def host_seconds(fn: Callable[[], Any]) -> tuple[Any, float]:
 class CallCounter:
     """Counts `KernelOp` calls while installed (an untimed pass; nothing on sources without `KernelOp`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, kernel_op_class: Any) -> None:
         self.calls = 0
-        self._original = KernelOp.__call__ if KernelOp is not None else None
+        self._class = kernel_op_class
+        self._original = kernel_op_class.__call__ if kernel_op_class is not None else None
 
     def __enter__(self) -> CallCounter:
         original = self._original
         if original is None:
             return self
 
-        def counting(op: KernelOp[Any, Any], *args: Any, **kwargs: Any) -> Any:
+        def counting(op: Any, *args: Any, **kwargs: Any) -> Any:
             self.calls += 1
             return original(op, *args, **kwargs)
 
-        KernelOp.__call__ = counting  # type: ignore[method-assign]
+        self._class.__call__ = counting
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self._original is not None:
-            KernelOp.__call__ = self._original  # type: ignore[method-assign]
+            self._class.__call__ = self._original
 
 
 def main() -> None:
@@ -138,6 +133,19 @@ def main() -> None:
     parser.add_argument("--profile", type=int, default=0, help="print this many top host functions of F and I")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args()
+    from anchor_models import DENSE, tiny
+    from d9d.models import materialize_
+    from d9d.models.qwen3 import Qwen3DenseForCausalLM
+    from d9d.pipeline import PipelineStage, deferring_weight_gradients, store_backward_input, store_backward_weight
+
+    try:
+        from d9d.kernels import triton_support
+
+        kernel_op_class: Any = triton_support.KernelOp
+        set_kernel_op_calls: Any = triton_support.set_kernel_op_calls
+    except AttributeError:  # sources before `kernel_op` (a baseline run on an older tree): every kernel call dispatches
+        kernel_op_class, set_kernel_op_calls = None, None
+
     device = torch.device(os.environ.get("D9D_DEVICE", "cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cpu" and not ON_CPU:
         parser.error("no GPU here: run on CPU with D9D_DEVICE=cpu (it sets up Triton's interpreter)")
@@ -189,7 +197,7 @@ def main() -> None:
         ("F", lambda: forward(deferring=True)),
         ("B", lambda: torch.autograd.backward(*forward(deferring=False)[1:3])),
     ):
-        with CallCounter() as counter:
+        with CallCounter(kernel_op_class) as counter:
             run()
         calls[name] = counter.calls - calls.get("F", 0)  # B's count ran a forward first
         module.zero_grad(set_to_none=True)
@@ -197,7 +205,7 @@ def main() -> None:
 
     def set_mode(mode: str) -> None:
         if set_kernel_op_calls is not None:
-            set_kernel_op_calls(mode)  # type: ignore[arg-type]
+            set_kernel_op_calls(mode)
 
     samples: dict[str, dict[str, list[float]]] = {mode: {name: [] for name in PASSES} for mode in MODES}
     for mode in modes:  # warm-up: the autotuners and allocator caches of both
