@@ -7,6 +7,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
+from d9d.kernels.eager_only import eager_only
 from d9d.kernels.expert_dispatch import AnyExpertDispatchConfig, TokenDispatcher, count_per_expert
 from d9d.kernels.grouped_mm import GroupedMm
 from d9d.models.blocks.ffn import SwiGLU
@@ -122,7 +123,7 @@ class MoELayer(nn.Module):
         out = self._add_aux_losses(out, routing.scores, routing.logits, routed)
         return out.view(shape)
 
-    @torch.compiler.disable
+    @eager_only
     def _exchange_through_experts(
         self, flat: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, routed: torch.Tensor
     ) -> torch.Tensor:
