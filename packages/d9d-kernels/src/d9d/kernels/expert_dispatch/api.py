@@ -28,10 +28,10 @@ class TokenDispatcher(Protocol):
     dispatched)`: the expert outputs (same order as `dispatched.rows`) come back, are weighted by the combine weights
     and summed per token, `(T, H)`. Both are differentiable (rows, `x` and the combine weights).
 
-    Under `torch.compile` both are graph breaks (`eager_only`, i.e. `torch.compiler.disable`): they copy counts to the host and pass
-    them to collectives as Python lists, which Dynamo would bake into guards (a recompilation for every new
-    routing). Code compiled between them sees `rows` with a dynamic first dimension (`mark_row_count_dynamic`), so
-    it compiles once for every row count.
+    Under `torch.compile` both are graph breaks (`eager_only`, i.e. `torch.compiler.disable`): they copy counts to
+    the host and pass them to collectives as Python lists, which Dynamo would bake into guards (a recompilation for
+    every new routing). Code compiled between them sees `rows` with a dynamic first dimension
+    (`mark_row_count_dynamic`), so it compiles once for every row count.
     """
 
     name: str
