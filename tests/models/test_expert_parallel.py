@@ -256,10 +256,14 @@ def test_plain_experts_in_bfloat16_mixed_precision_train_like_fsdp_experts():
 
 
 COMPILED_STEPS = 4
+# The dense domain per decoder layer (FSDP hooks around each compiled layer), or as the one unit the GPU benchmark
+# prefers under EP (`--dense-layouts whole`: no hook between layers, parameters kept unsharded).
+DENSE_LAYOUTS = {"layers": FsdpConfig(), "whole": FsdpConfig(units=["model"], reshard_after_forward=False)}
 
 
+@pytest.mark.parametrize("dense_layout", list(DENSE_LAYOUTS))
 @pytest.mark.distributed(world_size=2, timeout=300)
-def test_expert_parallel_with_compiled_layers_matches_eager_single_process_and_compiles_once():
+def test_expert_parallel_with_compiled_layers_matches_eager_single_process_and_compiles_once(dense_layout):
     # Regional compilation (each decoder layer's forward) under ep=2: the token exchange, the local experts and the
     # load count run eagerly in one `eager_only` method of the MoE layer (design 0025, third round), so Dynamo never
     # sees the host-copied split sizes and each step routes differently without recompiling. Compilation happens in
@@ -279,7 +283,7 @@ def test_expert_parallel_with_compiled_layers_matches_eager_single_process_and_c
     torch._dynamo.reset()
     counters.clear()
     compiled = EAGER.model_copy(update={"compile_layers": True, "compile_backend": "aot_eager"})
-    ctx, model, sync = _parallel(MeshDegrees(dp_shard=2, ep=2), FsdpConfig(), compiled)
+    ctx, model, sync = _parallel(MeshDegrees(dp_shard=2, ep=2), DENSE_LAYOUTS[dense_layout], compiled)
     assert all(getattr(layer, "d9d_compiled", False) for layer in model.model.layers.values())
     optimizer = optimizer_for(model)
     trace = Trace()
