@@ -44,6 +44,23 @@ def test_a_failing_rank_fails_with_its_traceback():
     assert "test_harness.py" in message
 
 
+def test_a_rank_that_raises_then_hangs_in_teardown_still_reports_its_error():
+    """NCCL's destroy_process_group can block while the peers wait in a collective the failed rank never joins; the
+    rank's error must come back (quickly, not after the timeout) rather than die with the killed rank."""
+
+    def body():
+        if dist.get_rank() == 0:
+            dist.destroy_process_group = lambda *args, **kwargs: time.sleep(60)  # this rank's teardown hangs
+            raise ValueError("rank zero fails before the broadcast")
+        dist.barrier()  # rank 1 waits for a rank that is gone
+
+    start = time.perf_counter()
+    with pytest.raises(RankFailure) as failure:
+        run_on_ranks(2, body, timeout_seconds=40)
+    assert time.perf_counter() - start < 20
+    assert "rank zero fails before the broadcast" in str(failure.value)
+
+
 def test_a_deadlock_fails_after_the_timeout_with_each_rank_stack():
     def body():
         if dist.get_rank() == 0:

@@ -37,6 +37,11 @@ from d9d.core.lr.config import RestPhaseConfig, StepsPhaseConfig
 from d9d.core.optim import AdamWConfig, build_optimizer
 from d9d.kernels.attention import EagerAttentionConfig
 from d9d.kernels.grouped_mm import EagerGroupedMmConfig
+from d9d.kernels.linear_cross_entropy import EagerLinearCrossEntropyConfig
+from d9d.kernels.moe_permute import EagerMoePermuteConfig
+from d9d.kernels.rms_norm import EagerRmsNormConfig
+from d9d.kernels.rope import EagerRopeConfig
+from d9d.kernels.swiglu import EagerSwiGluConfig
 from d9d.models import DecoderConfig, materialize_
 from d9d.models.blocks.moe import aux_loss_weights
 from d9d.models.qwen3 import (
@@ -60,7 +65,18 @@ from d9d.pipeline import (
 
 VOCAB, SEQ, HIDDEN, LAYERS = 64, 8, 32, 8
 MAX_GRAD_NORM = 0.5
-EAGER = DecoderConfig(attention=EagerAttentionConfig(), grouped_mm=EagerGroupedMmConfig(), loss_chunk_size=5)
+# Every kernel family named: a backend left to "auto" is resolved from the machine at build time, so on a GPU host
+# the CPU reference would get Triton kernels (which refuse CPU tensors).
+EAGER = DecoderConfig(
+    attention=EagerAttentionConfig(),
+    grouped_mm=EagerGroupedMmConfig(),
+    rms_norm=EagerRmsNormConfig(),
+    swiglu=EagerSwiGluConfig(),
+    rope=EagerRopeConfig(),
+    moe_permute=EagerMoePermuteConfig(),
+    linear_cross_entropy=EagerLinearCrossEntropyConfig(),
+    loss_chunk_size=5,
+)
 DENSE_HF = dict(
     vocab_size=VOCAB,
     hidden_size=HIDDEN,

@@ -19,6 +19,8 @@ from d9d.pipeline import PipelineConfig
 pytestmark = pytest.mark.gpu
 
 STEPS, ROWS = 10, 8
+# A hang shows each rank's stack after this long (the harness dumps them); D9D_GPU_TEST_TIMEOUT shortens it.
+TIMEOUT = float(os.environ.get("D9D_GPU_TEST_TIMEOUT", "600"))
 
 
 def _gpu_world() -> int:
@@ -46,7 +48,7 @@ def test_nccl_pipeline_matches_single_process(schedule):
             results.append((family, errors.loss, errors.norm, errors.params))
         return results
 
-    for family, loss, norm, params in run_on_ranks(world, body, init_process_group=False, timeout_seconds=600)[0]:
+    for family, loss, norm, params in run_on_ranks(world, body, init_process_group=False, timeout_seconds=TIMEOUT)[0]:
         print(f"{schedule} pp={world} {family}: loss {loss:.1e} norm {norm:.1e} params {params:.1e}")
         assert loss < 1e-5 and norm < 1e-4 and params < 1e-4
 
@@ -73,7 +75,7 @@ def test_nccl_pipeline_with_tensor_parallelism_matches_single_process(schedule):
             results.append((family, errors.loss, errors.norm, errors.params))
         return results
 
-    for family, loss, norm, params in run_on_ranks(4, body, init_process_group=False, timeout_seconds=600)[0]:
+    for family, loss, norm, params in run_on_ranks(4, body, init_process_group=False, timeout_seconds=TIMEOUT)[0]:
         print(f"{schedule} pp=2 x tp=2 {family}: loss {loss:.1e} norm {norm:.1e} params {params:.1e}")
         assert loss < 1e-5 and norm < 1e-4 and params < 1e-4
 
@@ -102,6 +104,6 @@ def test_nccl_pipeline_with_context_parallelism_matches_single_process(schedule,
             results.append((family, errors.loss, errors.norm, errors.params))
         return results
 
-    for family, loss, norm, params in run_on_ranks(4, body, init_process_group=False, timeout_seconds=600)[0]:
+    for family, loss, norm, params in run_on_ranks(4, body, init_process_group=False, timeout_seconds=TIMEOUT)[0]:
         print(f"{schedule} {attention} pp=2 x cp=2 {family}: loss {loss:.1e} norm {norm:.1e} params {params:.1e}")
         assert loss < 1e-5 and norm < 1e-4 and params < 1e-4

@@ -141,19 +141,26 @@ def _rank_main(
         outcome = _Outcome(ok=True, value=body())
     except BaseException:  # noqa: BLE001 - whatever a rank raises (even SystemExit) is reported, not swallowed
         outcome = _Outcome(ok=False, error=traceback.format_exc())
-    finally:
-        if dist.is_initialized():
-            # The rank's own outcome matters more than a teardown error (peers may already be gone).
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
+    # Written before the teardown: NCCL's `destroy_process_group` can block while peers still wait in a collective
+    # (a rank that raised leaves them there), and the harness then kills this rank; its error must not go with it.
+    _write_outcome(workdir, rank, outcome)
+    if dist.is_initialized():
+        # The rank's own outcome matters more than a teardown error (peers may already be gone).
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+    return 0
+
+
+def _write_outcome(workdir: Path, rank: int, outcome: _Outcome) -> None:
     try:
         payload = pickle.dumps(outcome)
     except Exception:  # noqa: BLE001 - an unpicklable return value must still be reported, not lost
         payload = pickle.dumps(
             _Outcome(ok=False, error=f"rank {rank} returned an unpicklable value:\n" + traceback.format_exc())
         )
-    (workdir / f"result-{rank}.pkl").write_bytes(payload)
-    return 0
+    partial = workdir / f"result-{rank}.pkl.partial"
+    partial.write_bytes(payload)
+    partial.replace(workdir / f"result-{rank}.pkl")  # whole or absent: the parent may read it while this rank hangs
 
 
 def run_on_ranks(
@@ -212,6 +219,8 @@ def _collect(pids: dict[int, int], workdir: Path, timeout_seconds: float) -> lis
                 exit_codes[rank] = os.waitstatus_to_exitcode(status)
                 if first_failure_at is None and _failed(workdir, rank, exit_codes[rank]):
                     first_failure_at = time.monotonic()
+            elif first_failure_at is None and _raised(workdir, rank):
+                first_failure_at = time.monotonic()  # raised, and may hang in teardown: peers get the same grace
         now = time.monotonic()
         if len(exit_codes) == len(pids):
             break
@@ -224,6 +233,14 @@ def _collect(pids: dict[int, int], workdir: Path, timeout_seconds: float) -> lis
             break
         time.sleep(_POLL_SECONDS)
     return _report(pids, exit_codes, workdir, timed_out, timeout_seconds)
+
+
+def _raised(workdir: Path, rank: int) -> bool:
+    result = workdir / f"result-{rank}.pkl"
+    if not result.exists():
+        return False
+    outcome: _Outcome = pickle.loads(result.read_bytes())  # noqa: S301 - written by our own forked child
+    return not outcome.ok
 
 
 def _failed(workdir: Path, rank: int, exit_code: int) -> bool:
@@ -262,10 +279,13 @@ def _report(
         result = workdir / f"result-{rank}.pkl"
         if result.exists():
             outcome: _Outcome = pickle.loads(result.read_bytes())  # noqa: S301 - written by our own forked child
-            if outcome.ok:
+            if not outcome.ok:
+                errors.append(f"--- rank {rank} raised ---\n{outcome.error}")
+            elif exit_codes.get(rank) == -signal.SIGKILL:
+                unfinished.append(f"--- rank {rank} returned, then hung in its process-group teardown; killed ---")
+            else:
                 values.append(outcome.value)
                 continue
-            errors.append(f"--- rank {rank} raised ---\n{outcome.error}")
         else:
             stack_path = workdir / f"stack-{rank}.txt"
             stack = stack_path.read_text() if stack_path.exists() else ""
