@@ -98,7 +98,8 @@ def test_compiled_layers_under_expert_parallelism_train_like_eager_on_gpus(backe
             sync = parallelize_qwen3_moe(model, ctx, FsdpConfig(mixed_precision=mixed))
             materialize_with_spread_routers(model, device=ctx.device)
             trace = Trace()
-            hooks = record_top_k_gaps(model, trace)
+            # On the eager run only: the hook reads a value to the host, which in a compiled layer is a graph break.
+            hooks = [] if compiled else record_top_k_gaps(model, trace)
             optimizer = optimizer_for(model)
             train(model, optimizer, range(1), ctx=ctx, sync=sync, trace=trace)
             graphs = counters["stats"]["unique_graphs"]
