@@ -39,8 +39,8 @@ on; design 0025, third round), so the compiled regions are the norms, attention,
 happens in the first warm-up step, so keep `--warmup` at 3 or more (steps 2 and 3 then run warm); rows are labelled
 `-compiled`, and the compiled graphs are dropped between rows. `--kernels loss` swaps the small Triton kernels (RMSNorm,
 SwiGLU, RoPE, MoE permutation) for their eager references, which Inductor fuses with their neighbours, keeping the
-Triton fused loss (as `bench/trainer_step.py --kernels loss`, which beat the Triton kernels under compile on the
-anchors); `auto` (default) is detection.
+Triton fused loss (as `bench/trainer_step.py --kernels loss`, which beat the Triton kernels under whole-model compile
+in the single-GPU ablation, docs/benchmarks.md); `auto` (default) is detection.
 
 Per mode: after `--warmup` steps, `--steps` steps are timed (CUDA synchronised) and the row is printed at once (the
 slowest rank's median as tokens/s per GPU, the peak allocated memory of the most loaded rank). Only then do
