@@ -35,7 +35,8 @@ class MoELayer(nn.Module):
 
     Expert parallelism (`parallelize_experts`) sets `dispatcher`: token copies then travel to the ranks owning their
     experts and back instead of being permuted locally; `dispatch_config` names the backend it builds (`None`:
-    environment, then detection). `capacity_factor` (default off) drops the copies beyond
+    environment, then detection); in a compiled layer the exchange, the local experts and the load count stay eager
+    (`_exchange_through_experts`, one graph break). `capacity_factor` (default off) drops the copies beyond
     `ceil(factor * T * k / E)` per expert on each rank; the load counts what the router chose, before dropping.
     """
 
