@@ -169,8 +169,11 @@ for part in "$@"; do case $part in
         --profile-steps 1
     done ;;
   pipetests)  # the NCCL parity tests of every schedule (pp=world; pp2 x tp2, pp2 x cp2 on 4 GPUs), failures in full
-    timeout ${PIPE_TEST_SECONDS:-420} python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -m gpu \
-      tests/pipeline/test_gpu_pipeline.py 2>&1 | tee "$out/pipeline-tests.log" | tail -40 | cut -c1-300 ;;
+    # Each test's ranks get D9D_GPU_TEST_TIMEOUT seconds (a test takes about 20 s), so a hang reports every rank's
+    # stack well inside the part's limit; -v names each test as it finishes.
+    D9D_GPU_TEST_TIMEOUT=${D9D_GPU_TEST_TIMEOUT:-120} timeout ${PIPE_TEST_SECONDS:-420} python3 -m pytest -v \
+      -p no:cacheprovider -rfE --tb=short -m gpu tests/pipeline/test_gpu_pipeline.py 2>&1 \
+      | tee "$out/pipeline-tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|^E " | tail -60 | cut -c1-300 ;;
   pipecomm)  # design 0026: 1F1B, ZBV and DualPipeV with a 16k vocabulary (the head about one layer), 4 rows per
              # micro-batch, even split: measured against simulated bubble with the two communicators per pipeline
     for schedule in ${PIPE_SCHEDULES:-1f1b zbv dualpipe_v}; do
