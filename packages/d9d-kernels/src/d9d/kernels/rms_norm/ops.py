@@ -111,6 +111,9 @@ class _RmsNormFunction(torch.autograd.Function):
         ctx.shape = x.shape
         if residual is None:
             ctx.mark_non_differentiable(summed)
+        # An output without a gradient reaches backward as None (handled there), not as a zeros tensor autograd
+        # would allocate (one per norm without a residual, every backward).
+        ctx.set_materialize_grads(False)
         return out.view(x.shape), summed.view(x.shape) if residual is not None else summed
 
     @staticmethod

@@ -67,6 +67,7 @@ class _RopeFunction(torch.autograd.Function):
         flat_cos, flat_sin = _tables(cos, q), _tables(sin, q)
         ctx.save_for_backward(flat_cos, flat_sin)
         ctx.shapes = (q.shape, k.shape)
+        ctx.set_materialize_grads(False)  # backward makes the zeros of a missing gradient itself
         q_out, k_out = _forward_op(_flat(q), _flat(k), flat_cos, flat_sin)
         return q_out.view(q.shape), k_out.view(k.shape)
 

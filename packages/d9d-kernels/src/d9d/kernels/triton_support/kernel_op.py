@@ -15,7 +15,9 @@ A `KernelOp` is the custom op plus its body. Called from eager code with gradien
 - under `torch.compile` tracing (`torch.compiler.is_compiling()`), so graphs keep the opaque op and its fake;
 - under any `TorchDispatchMode` (`FakeTensorMode`, `make_fx`/export, selective checkpointing, op counters);
 - with a meta tensor (the fake runs) or a tensor subclass among the arguments (its `__torch_dispatch__` runs).
-While the profiler records, a direct call runs inside `record_function(name)`, so traces keep the op's name.
+The profiler does not change the path: a profiled step runs what an unprofiled one runs (the pipeline benchmark
+measures its bubble on a profiled step), so in a trace a direct call shows as the ops and the kernel launch inside
+the body, without the op's name around them (`D9D_KERNEL_OP_CALLS=dispatch` brings the names back).
 The op is `KernelOp.op` (also `torch.ops.d9d_kernels.<name>`); `register_fake` registers on it.
 
 `D9D_KERNEL_OP_CALLS=dispatch` (read at import) or `set_kernel_op_calls("dispatch")` sends every call through the
@@ -85,10 +87,7 @@ class KernelOp(Generic[P, R]):
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         if not kwargs and _direct_call_allowed(args):
-            if torch.autograd.profiler._is_profiler_enabled:
-                with torch.profiler.record_function(self.name):
-                    return self.body(*args)  # type: ignore[call-arg]  # kwargs is empty here
-            return self.body(*args)  # type: ignore[call-arg]
+            return self.body(*args)  # type: ignore[call-arg]  # kwargs is empty here
         result: R = self.op(*args, **kwargs)
         return result
 
