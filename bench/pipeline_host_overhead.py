@@ -150,7 +150,7 @@ def main() -> None:
     if device.type == "cpu" and not ON_CPU:
         parser.error("no GPU here: run on CPU with D9D_DEVICE=cpu (it sets up Triton's interpreter)")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    launches = "real"
+    launches = "real" if args.kernels == "triton" else "none: eager references"
     if device.type == "cpu":
         torch.set_num_threads(1)
         torch.set_flush_denormal(True)  # the skipped kernels leave outputs uninitialised
