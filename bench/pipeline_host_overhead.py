@@ -9,7 +9,9 @@ This script times the host side of each action of a middle stage (no embedding, 
 Each pass is timed with the Triton kernel pieces called through `torch.library` dispatch (`dispatch`, the only
 path before `kernel_op`) and directly (`direct`, `kernel_op`'s eager path); the two alternate within every repeat, so
 drift on a shared machine hits both alike. Also printed: kernel-op calls per layer and per pass, and with
-`--profile` the top host functions (cProfile) of one direct F and I.
+`--profile` the top host functions (cProfile) of one direct F and I; with `--calls` the host time of single calls
+(the RMSNorm forward op dispatched against its body called directly; an autograd function's `apply` with and
+without a separate `setup_context`, next to `F.linear`).
 
 On CPU (`D9D_DEVICE=cpu`) the Triton kernels cannot run natively: the script sets `TRITON_INTERPRET=1` and replaces
 the kernels' launches with nothing (`--kernels triton`, the default): every other piece of host work (the launcher's
@@ -22,6 +24,7 @@ processes hold the cores.
 
     D9D_DEVICE=cpu python bench/pipeline_host_overhead.py --tiny                # seconds on CPU
     D9D_DEVICE=cpu python bench/pipeline_host_overhead.py --tiny --profile 15   # + the top host functions
+    D9D_DEVICE=cpu python bench/pipeline_host_overhead.py --tiny --calls        # + single calls' host time
     python bench/pipeline_host_overhead.py --layers 5                           # one GPU, ZBV's 5-layer stage
 """
 
@@ -122,6 +125,68 @@ class CallCounter:
             self._class.__call__ = self._original
 
 
+class _WithSetupContext(torch.autograd.Function):
+    """`F.linear` as an autograd function with a separate `setup_context` (the deferrable linear's old form)."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, weight)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        del output
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
+        return None, None
+
+
+class _WithCtx(torch.autograd.Function):
+    """The same with `forward(ctx, ...)` (the deferrable linear's form now)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return torch.nn.functional.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
+        return None, None
+
+
+def per_call_microseconds(device: torch.device, dtype: torch.dtype, calls: int = 5000) -> dict[str, float]:
+    """Host us per call (median): the RMSNorm forward kernel op dispatched and its body called directly, and an
+    autograd function's `apply` with and without `setup_context` next to plain `F.linear`."""
+    from d9d.kernels.rms_norm import ops
+
+    x = torch.randn(4, 128, device=device, dtype=dtype, requires_grad=True)
+    weight = torch.randn(128, 128, device=device, dtype=dtype, requires_grad=True)
+    norm_weight = torch.ones(128, device=device, dtype=dtype)
+    rows = x.detach()
+
+    def median_us(fn: Callable[[], Any]) -> float:
+        for _ in range(100):
+            fn()
+        samples = []
+        for _ in range(calls):
+            began = _CLOCK()
+            fn()
+            samples.append(_CLOCK() - began)
+        return statistics.median(samples) * 1e6
+
+    with torch.no_grad():
+        op = median_us(lambda: ops._forward_op.op(rows, None, norm_weight, 1e-6, dtype))
+        body = median_us(lambda: ops._forward_op.body(rows, None, norm_weight, 1e-6, dtype))
+    return {
+        "rms_norm_forward op": op,
+        "rms_norm_forward body": body,
+        "apply, setup_context": median_us(lambda: _WithSetupContext.apply(x, weight)),
+        "apply, forward(ctx)": median_us(lambda: _WithCtx.apply(x, weight)),
+        "F.linear": median_us(lambda: torch.nn.functional.linear(x, weight)),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU)")
@@ -131,6 +196,7 @@ def main() -> None:
     parser.add_argument("--kernels", choices=("triton", "eager"), default="triton")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--profile", type=int, default=0, help="print this many top host functions of F and I")
+    parser.add_argument("--calls", action="store_true", help="also time single calls (kernel op, function apply)")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args()
     from anchor_models import DENSE, tiny
@@ -233,6 +299,10 @@ def main() -> None:
             f"| {name} | {before:.2f} | {after:.2f} | {1 - after / before:.0%} | {before / args.layers:.2f} | "
             f"{after / args.layers:.2f} |"
         )
+    if args.calls and kernel_op_class is not None and args.kernels == "triton":
+        print("\n| one call | host us |\n|---|---|")
+        for name, value in per_call_microseconds(device, dtype).items():
+            print(f"| {name} | {value:.1f} |")
     if args.profile:
         for name, run in (("F", lambda: forward(deferring=True)), ("I store", None)):
             profiler = cProfile.Profile()

@@ -4,7 +4,7 @@ Every Triton kernel piece is a `torch.library.custom_op` (design note 0012): `to
 graph break, its fake implementation propagates shapes, `opcheck` checks it, and dispatch modes (selective activation
 checkpointing's policy, `FakeTensorMode`, a profiler's op counter) see one named op. The price is paid on every eager
 call too: the dispatcher, the custom op's Python autograd and device kernels and its argument handling cost about
-20-45 us of host time per call, against about 1 us for calling the same body (`bench/pipeline_host_overhead.py`). A
+18-46 us of host time per call, against about 1 us for calling the same body (`bench/pipeline_host_overhead.py`). A
 transformer layer calls six such ops in forward and ten in backward, on the host's critical path wherever the GPU
 outruns it (a pipeline stage of a few layers per micro-batch).
 
