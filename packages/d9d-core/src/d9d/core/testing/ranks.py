@@ -209,6 +209,7 @@ def _collect(pids: dict[int, int], workdir: Path, timeout_seconds: float) -> lis
     deadline = time.monotonic() + timeout_seconds
     exit_codes: dict[int, int] = {}
     first_failure_at: float | None = None
+    reported: set[int] = set()  # live ranks whose written outcome was read (it does not change)
     timed_out = False
     while len(exit_codes) < len(pids):
         for rank, pid in pids.items():
@@ -219,8 +220,10 @@ def _collect(pids: dict[int, int], workdir: Path, timeout_seconds: float) -> lis
                 exit_codes[rank] = os.waitstatus_to_exitcode(status)
                 if first_failure_at is None and _failed(workdir, rank, exit_codes[rank]):
                     first_failure_at = time.monotonic()
-            elif first_failure_at is None and _raised(workdir, rank):
-                first_failure_at = time.monotonic()  # raised, and may hang in teardown: peers get the same grace
+            elif first_failure_at is None and rank not in reported and (raised := _raised(workdir, rank)) is not None:
+                reported.add(rank)
+                if raised:  # and may hang in its teardown: the peers get the same grace as after an exit
+                    first_failure_at = time.monotonic()
         now = time.monotonic()
         if len(exit_codes) == len(pids):
             break
@@ -235,20 +238,17 @@ def _collect(pids: dict[int, int], workdir: Path, timeout_seconds: float) -> lis
     return _report(pids, exit_codes, workdir, timed_out, timeout_seconds)
 
 
-def _raised(workdir: Path, rank: int) -> bool:
+def _raised(workdir: Path, rank: int) -> bool | None:
+    """Whether the rank's written outcome is an error; None while it has written none."""
     result = workdir / f"result-{rank}.pkl"
     if not result.exists():
-        return False
+        return None
     outcome: _Outcome = pickle.loads(result.read_bytes())  # noqa: S301 - written by our own forked child
     return not outcome.ok
 
 
 def _failed(workdir: Path, rank: int, exit_code: int) -> bool:
-    result = workdir / f"result-{rank}.pkl"
-    if exit_code != 0 or not result.exists():
-        return True
-    outcome: _Outcome = pickle.loads(result.read_bytes())  # noqa: S301 - written by our own forked child
-    return not outcome.ok
+    return exit_code != 0 or _raised(workdir, rank) is not False
 
 
 def _dump_and_kill(pids: dict[int, int], exit_codes: dict[int, int]) -> None:

@@ -30,10 +30,7 @@ def import_triton() -> ModuleType:
 
 def check_triton_device(*tensors: torch.Tensor) -> None:
     """Triton kernels run on CUDA tensors, or on CPU tensors under the interpreter; anything else is an error."""
-    for tensor in tensors:  # the common case first, without reading the environment (this runs on every launch)
-        if not tensor.is_cuda:
-            break
-    else:
+    if all(tensor.is_cuda for tensor in tensors):  # the common case, without reading the environment (every launch)
         return
     interpret = interpreting()
     for tensor in tensors:
