@@ -193,6 +193,10 @@ def test_validator_rejects_a_stage_on_the_wrong_rank_and_an_incomplete_program()
     program = _one_f_one_b()
     with pytest.raises(ProgramError, match="stage 1 lives on rank 1"):
         validate_program(_edited(program, 0, [Action(1, ActionKind.FORWARD, 0)]))
+    with pytest.raises(ProgramError, match=r"rank 0, action 1<F0: stage 1 lives on rank 1"):
+        validate_program(_edited(program, 0, [*program.ranks[0], Action(1, ActionKind.RECV_ACTIVATION, 0)]))
+    with pytest.raises(ProgramError, match=r"rank 1, action 1>F0: stage 2 \(its other end\) is outside the 2 stages"):
+        validate_program(_edited(program, 1, [*program.ranks[1], Action(1, ActionKind.SEND_ACTIVATION, 0)]))
     cut = [a for a in program.ranks[0] if a.microbatch != 3] + [
         a for a in program.ranks[0] if a.microbatch == 3 and a.kind is ActionKind.FORWARD
     ]

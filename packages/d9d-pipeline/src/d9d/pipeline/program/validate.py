@@ -29,6 +29,21 @@ def check_channel_order(program: Program) -> None:
     """Raise `ProgramError` unless, on every channel whose sends and receives are equal in number, receive `k` of the
     receiver expects message `k` of the sender. (A message without its receive, or a receive without its message, is
     left to the replay, which names the compute that misses it.)"""
+    layout = program.layout
+    for rank, actions in sorted(program.ranks.items()):
+        for action in actions:
+            if not (action.kind.is_send or action.kind.is_recv):
+                continue
+            if not 0 <= action.peer_stage() < layout.num_stages:
+                raise ProgramError(
+                    f"{program.name}: rank {rank}, action {action}: stage {action.peer_stage()} (its other end) is "
+                    f"outside the {layout.num_stages} stages"
+                )
+            if layout.rank_of(action.stage) != rank:
+                raise ProgramError(
+                    f"{program.name}: rank {rank}, action {action}: stage {action.stage} lives on rank "
+                    f"{layout.rank_of(action.stage)}"
+                )
     for sender in sorted(program.ranks):
         for receiver in sorted(program.ranks):
             if receiver == sender:
