@@ -31,6 +31,17 @@ Every mode uses the same optimizer (`--optimizer`): by default `StochasticAdamW(
 multi-tensor Triton step (float32 parameters, so exactly AdamW's update; one launch per bucket rather than a dozen
 per parameter); `torch` is `torch.optim.AdamW(foreach=False)`, the per-parameter loop of the first measurements.
 
+`--compile-layers` compiles every decoder layer's forward (`DecoderConfig.compile_layers`, Inductor on CUDA, `aot_eager`
+on CPU, where the smoke run checks the wiring, not speed) in every mode, the `fsdp` baseline and the 1-GPU row
+included, so compiled rows compare with compiled rows. Under EP each MoE layer's dispatch, local experts and combine
+stay eager (one graph break per layer: the exchange's split sizes are host lists, which compiled code would guard
+on; design 0025, third round), so the compiled regions are the norms, attention, router and residuals. Compilation
+happens in the first warm-up step, so keep `--warmup` at 3 or more (steps 2 and 3 then run warm); rows are labelled
+`-compiled`, and the compiled graphs are dropped between rows. `--kernels loss` swaps the small Triton kernels (RMSNorm,
+SwiGLU, RoPE, MoE permutation) for their eager references, which Inductor fuses with their neighbours, keeping the
+Triton fused loss (as `bench/trainer_step.py --kernels loss`, which beat the Triton kernels under whole-model compile
+in the single-GPU ablation, docs/benchmarks.md); `auto` (default) is detection.
+
 Per mode: after `--warmup` steps, `--steps` steps are timed (CUDA synchronised) and the row is printed at once (the
 slowest rank's median as tokens/s per GPU, the peak allocated memory of the most loaded rank). Only then do
 `--profile-steps` more steps run under `torch.profiler` (skipped when `--budget-seconds` would not leave room for
@@ -43,7 +54,9 @@ time limit thus keeps every row timed so far. `--trace-dir` writes rank 0's gzip
     torchrun --nproc_per_node 2 bench/expert_parallel.py --modes fsdp ep
     torchrun --nproc_per_node 1 bench/expert_parallel.py --modes fsdp          # the 1-GPU per-GPU figure
     torchrun --nproc_per_node 4 bench/expert_parallel.py --modes ep --dense-layouts layers whole
+    torchrun --nproc_per_node 4 bench/expert_parallel.py --modes fsdp ep --dense-layouts whole --compile-layers
     torchrun --nproc_per_node 2 bench/expert_parallel.py --tiny --device cpu   # seconds-long gloo smoke run
+    torchrun --nproc_per_node 2 bench/expert_parallel.py --tiny --device cpu --compile-layers --modes fsdp ep
 """
 
 from __future__ import annotations
@@ -171,14 +184,34 @@ def build_optimizer(model: torch.nn.Module, kind: str, device: torch.device) -> 
             raise ValueError(f"unknown optimizer {kind!r}; valid: fused, torch")
 
 
+def decoder_config(mode: str, args: argparse.Namespace, device: torch.device) -> DecoderConfig:
+    """The model's run options: the mode's dispatch, `--grouped-mm`, `--kernels` and `--compile-layers`."""
+    options: dict[str, object] = {"expert_dispatch": dispatch_config(mode)}
+    if args.grouped_mm:
+        options["grouped_mm"] = GROUPED_MM_CONFIG_ADAPTER.validate_json(args.grouped_mm)
+    if args.compile_layers:
+        options |= {"compile_layers": True, "compile_backend": "inductor" if device.type == "cuda" else "aot_eager"}
+    if args.kernels == "loss":
+        from d9d.kernels.linear_cross_entropy import TritonLinearCrossEntropyConfig
+        from d9d.kernels.moe_permute import EagerMoePermuteConfig
+        from d9d.kernels.rms_norm import EagerRmsNormConfig
+        from d9d.kernels.rope import EagerRopeConfig
+        from d9d.kernels.swiglu import EagerSwiGluConfig
+
+        options |= {"rms_norm": EagerRmsNormConfig(), "swiglu": EagerSwiGluConfig(), "rope": EagerRopeConfig()}
+        options["moe_permute"] = EagerMoePermuteConfig()
+        if device.type == "cuda":  # the Triton loss needs CUDA; on CPU detection picks the eager one anyway
+            options["linear_cross_entropy"] = TritonLinearCrossEntropyConfig()
+    return DecoderConfig.model_validate(options)
+
+
 def build_step(
     mode: str, layout: str, ctx: DistributedContext, params: Qwen3MoeParameters, args: argparse.Namespace
 ) -> tuple[Callable[[], None], int, torch.nn.Module]:
     """The training step of `mode` on this rank, the tokens it trains on, and the model."""
     device = ctx.device
     batch, seq = (2, 64) if args.tiny else MOE_BATCH
-    grouped_mm = GROUPED_MM_CONFIG_ADAPTER.validate_json(args.grouped_mm) if args.grouped_mm else None
-    config = DecoderConfig(grouped_mm=grouped_mm, expert_dispatch=dispatch_config(mode))
+    config = decoder_config(mode, args, device)
     torch.manual_seed(0)
     with torch.device("meta"):
         model = Qwen3MoeForCausalLM(params, config=config)
@@ -357,6 +390,18 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--grouped-mm", default=None, help='backend JSON, e.g. \'{"kind": "torch"}\' (default: auto)')
     parser.add_argument("--tiny", action="store_true", help="tiny shapes, to check the script itself (CPU is fine)")
+    parser.add_argument(
+        "--compile-layers",
+        action="store_true",
+        help="compile every decoder layer in every mode (Inductor on CUDA; keep --warmup >= 3: compilation is in it)",
+    )
+    parser.add_argument(
+        "--kernels",
+        default="auto",
+        choices=["auto", "loss"],
+        help="auto: detection (Triton on CUDA); loss: eager norms/SwiGLU/RoPE/permutation for Inductor to fuse, "
+        "Triton loss",
+    )
     args = parser.parse_args()
     started = time.monotonic()
     os.environ.setdefault("D9D_DEVICE", args.device)
@@ -364,14 +409,15 @@ def main() -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
     shape = "2 x 64 (tiny)" if args.tiny else f"{MOE_BATCH[0]} x {MOE_BATCH[1]}"
+    compiled = ", decoder layers compiled" if args.compile_layers else ""
     emit(
         f"# {datetime.date.today()} {world} x {device_name}, torch {torch.__version__}, per-GPU batch {shape}, "
-        f"optimizer {args.optimizer}"
+        f"optimizer {args.optimizer}, kernels {args.kernels}{compiled}"
     )
     emit("| mode | GPUs | tokens/s per GPU (slowest) | peak memory | median step |")
     emit("|---|---|---|---|---|")
     for mode, layout in runs(args.modes, args.dense_layouts, args.deep_ep_layouts):
-        label = mode if layout == "layers" else f"{mode}-{layout}"
+        label = (mode if layout == "layers" else f"{mode}-{layout}") + ("-compiled" if args.compile_layers else "")
         ep = 1 if mode == "fsdp" else world
         if mode == "deep_ep" and importlib.util.find_spec("deep_ep") is None:
             emit(f"| {label} | {world} | skipped: deep_ep is not installed (bench/build_deepep.sh) | | |")
@@ -405,6 +451,8 @@ def main() -> None:
             emit(f"| {label} | {world} | failed: {type(error).__name__}: {str(error)[:300]} | | |")
         finally:
             step = model = None  # the model and optimizer go before the next mode builds its own
+            if args.compile_layers:
+                torch._dynamo.reset()  # this row's graphs (and their guards on its modules) go too
             if args.device == "cuda":
                 torch.cuda.empty_cache()
     if dist.is_initialized():

@@ -11,6 +11,9 @@
 #   ep4b     : ep4 with the same multi-tensor AdamW everywhere and both dense layouts under EP (design 0025)
 #   ep4c     : ep4b after 0025's second round (host-derived dispatch plan, the LM head's reduce-scatter overlapped):
 #              1 GPU; fsdp, ep with the dense layouts whole, split and kept, deep_ep whole; routing imbalance
+#   ep4d     : design 0025's third round, compiled decoder layers (dispatch/combine eager): 1 GPU fsdp compiled; 4 GPUs
+#              fsdp, ep whole and ep split compiled, then ep whole eager (ep4c's row) for comparison; ~8 minutes
+#   ep4dtests: compiled EP against eager EP on NCCL (Inductor; all_to_all float32, deep_ep bf16 where installed)
 #   kerneltests: GPU tests in the pytest process (kernels at real sizes, models); run after forking parts
 #   compile  : tp2 x dp_shard2 with compiled layers, async TP off and on
 #   pipeline : pipeline schedules at pp=4 (PIPE_SCHEDULES), one launch each
@@ -121,6 +124,29 @@ for part in "$@"; do case $part in
       timeout 15 python3 bench/trace_summary.py "$trace" --top 6 --gap-ms 2 > "${trace%.json.gz}.summary.txt" 2>&1
       head -14 "${trace%.json.gz}.summary.txt" | cut -c1-200
     done ;;
+  ep4d)  # issue 15, design 0025's third round: every decoder layer compiled (Inductor), each MoE layer's dispatch,
+         # experts and combine eager (one graph break per layer). The 1-GPU fsdp figure compiled, then on 4 GPUs fsdp,
+         # ep-whole and ep-split compiled, then the eager ep-whole row of ep4c in the same call; the two ep-whole traces
+         # summarised. Compilation runs in the first warm-up step (warm-up 4: three warm steps before timing); each
+         # budget skips a profile that would not fit. EP4D_ARGS adds options to the compiled runs (e.g. --kernels
+         # loss). At most 130 + 230 + 80 + 2 x 15 s, about 8 minutes.
+    E=bench/expert_parallel.py
+    run 0 130 ep.log $E --modes fsdp --compile-layers ${EP4D_ARGS:-} --steps 8 --warmup 4 --profile-steps 2 \
+      --budget-seconds 115 --trace-dir "$out/traces"
+    run 0,1,2,3 230 ep.log $E --modes fsdp ep --dense-layouts whole split --compile-layers ${EP4D_ARGS:-} --steps 8 \
+      --warmup 4 --profile-steps 2 --budget-seconds 215 --trace-dir "$out/traces"
+    run 0,1,2,3 80 ep.log $E --modes ep --dense-layouts whole --steps 8 --warmup 3 --profile-steps 2 \
+      --budget-seconds 65 --trace-dir "$out/traces"
+    for label in ep-whole-compiled ep-whole; do
+      trace="$out/traces/expert_parallel-$label-4gpu.json.gz"
+      [ -f "$trace" ] || continue
+      echo "## $(basename "$trace")"
+      timeout 15 python3 bench/trace_summary.py "$trace" --top 6 --gap-ms 2 > "${trace%.json.gz}.summary.txt" 2>&1
+      head -14 "${trace%.json.gz}.summary.txt" | cut -c1-200
+    done ;;
+  ep4dtests)  # compiled decoder layers under EP on NCCL against the same run eager, no recompilation after step 1
+    timeout 240 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -m gpu \
+      tests/models/test_gpu_expert_parallel_compiled.py 2>&1 | tee "$out/ep4d-tests.log" | tail -40 | cut -c1-300 ;;
   ep4)  # issue 15's goal rows: the MoE anchor's 1-GPU figure, then FSDP-only, ep=4 and DeepEP on 4 GPUs
     E=bench/expert_parallel.py
     run 0 100 ep.log $E --modes fsdp --steps 8 --warmup 3 --profile-steps 2 --budget-seconds 85 --trace-dir "$out/traces"
@@ -143,8 +169,11 @@ for part in "$@"; do case $part in
         --profile-steps 1
     done ;;
   pipetests)  # the NCCL parity tests of every schedule (pp=world; pp2 x tp2, pp2 x cp2 on 4 GPUs), failures in full
-    timeout ${PIPE_TEST_SECONDS:-420} python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -m gpu \
-      tests/pipeline/test_gpu_pipeline.py 2>&1 | tee "$out/pipeline-tests.log" | tail -40 | cut -c1-300 ;;
+    # Each test's ranks get D9D_GPU_TEST_TIMEOUT seconds (a test takes about 20 s), so a hang reports every rank's
+    # stack well inside the part's limit; -v names each test as it finishes.
+    D9D_GPU_TEST_TIMEOUT=${D9D_GPU_TEST_TIMEOUT:-120} timeout ${PIPE_TEST_SECONDS:-420} python3 -m pytest -v \
+      -p no:cacheprovider -rfE --tb=short -m gpu tests/pipeline/test_gpu_pipeline.py 2>&1 \
+      | tee "$out/pipeline-tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|^E " | tail -60 | cut -c1-300 ;;
   pipecomm)  # design 0026: 1F1B, ZBV and DualPipeV with a 16k vocabulary (the head about one layer), 4 rows per
              # micro-batch, even split: measured against simulated bubble with the two communicators per pipeline
     for schedule in ${PIPE_SCHEDULES:-1f1b zbv dualpipe_v}; do

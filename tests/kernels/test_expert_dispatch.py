@@ -104,6 +104,38 @@ def test_rows_arrive_grouped_by_local_expert_from_every_source():
     assert dispatched.rows[:, 0].tolist() == [first, 10 + first, first + 1, 11 + first]
 
 
+@pytest.mark.distributed(world_size=2, timeout=120)
+def test_compiled_code_around_the_exchange_compiles_once_for_every_routing():
+    # dispatch and combine are graph breaks (their split sizes are host lists); what runs between them (here a
+    # stand-in for experts) sees a row count that changes with the routing, marked dynamic so it compiles once.
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    ctx = DistributedContext.build(MeshDegrees(dp_shard=2, ep=2))
+    dispatcher = AllToAllDispatcher(ctx.mesh_for("expert")["ep"].get_group(), NUM_EXPERTS)
+
+    def exchange(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        dispatched = dispatcher.dispatch(x.sin(), indices, weights)
+        # `x` is used after the break: Dynamo skips a resumed frame whose locals hold no tensor it can see.
+        return dispatcher.combine(dispatched.rows * 3.0 + 1.0, dispatched).cos() + x
+
+    compiled = torch.compile(exchange, backend="aot_eager")
+    row_counts = set()
+    for seed in range(4):
+        x, indices, weights = _routing(2 + ctx.rank, seed)  # the ranks with 9 and 3 tokens
+        before = dispatcher.rows_received
+        with torch._dynamo.config.patch(error_on_recompile=seed > 0):
+            got = compiled(x, indices, weights)
+        row_counts.add(dispatcher.rows_received - before)
+        torch.testing.assert_close(got, exchange(x, indices, weights), rtol=0, atol=0)
+        if seed == 0:
+            graphs = counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert len(row_counts) > 1, "every routing sent the same row counts"
+
+
 def test_sort_by_expert_puts_dropped_copies_last_and_counts_only_kept():
     sort = sort_by_expert(torch.tensor([[2, -1], [0, 2]]), 3, may_drop=True)
     assert sort.group_sizes.tolist() == [1, 0, 2]

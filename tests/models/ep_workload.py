@@ -53,10 +53,11 @@ def build_meta(config=EAGER) -> Qwen3MoeForCausalLM:
         return Qwen3MoeForCausalLM(PARAMS, config=config)
 
 
-def materialize_with_spread_routers(model: nn.Module, seed: int = 7) -> None:
-    """Initialise like a single process would (same seed), then draw the router weights wider, layout-independent."""
+def materialize_with_spread_routers(model: nn.Module, seed: int = 7, device: str | torch.device = "cpu") -> None:
+    """Initialise like a single process would (same seed), then draw the router weights wider, layout-independent
+    (on one device type: CUDA draws other numbers than the CPU)."""
     torch.manual_seed(seed)
-    materialize_(model, "cpu")
+    materialize_(model, device)
     torch.manual_seed(seed + 1)
     for module in model.modules():
         if isinstance(module, TopKRouter):
@@ -111,17 +112,18 @@ def train(
         dp_size = ctx.degrees.dp
     rows_per_rank = GLOBAL_BATCH // MICROBATCHES // dp_size
     params = [param for param in model.parameters() if param.requires_grad]
+    device = params[0].device  # the batches are drawn on the CPU (the same numbers everywhere) and moved there
     for step in steps:
         tokens = step_tokens(step)
         if sync is not None:
             sync.begin_step(MICROBATCHES)
         else:
             optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros(())
+        loss_sum = torch.zeros((), device=device)
         for micro in range(MICROBATCHES):
             ids, labels = batch(step, micro)
             rows = slice(dp_rank * rows_per_rank, (dp_rank + 1) * rows_per_rank)
-            loss = model(ids[rows], labels=labels[rows]).losses.sum() / tokens
+            loss = model(ids[rows].to(device), labels=labels[rows].to(device)).losses.sum() / tokens
             loss.backward()
             loss_sum += loss.detach()
         if sync is not None:

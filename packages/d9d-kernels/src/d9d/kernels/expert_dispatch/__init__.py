@@ -1,7 +1,7 @@
 """Expert dispatch behind one interface: all-to-all (reference, gloo and NCCL) and DeepEP (optional)."""
 
 from d9d.kernels.expert_dispatch.all_to_all import AllToAllDispatcher, all_to_all
-from d9d.kernels.expert_dispatch.api import DispatchedTokens, TokenDispatcher, split_experts
+from d9d.kernels.expert_dispatch.api import DispatchedTokens, TokenDispatcher, mark_row_count_dynamic, split_experts
 from d9d.kernels.expert_dispatch.config import (
     EXPERT_DISPATCH_CONFIG_ADAPTER,
     AllToAllDispatchConfig,
@@ -39,6 +39,7 @@ __all__ = [
     "detect_expert_dispatch_config",
     "gather_sorted_rows",
     "import_deep_ep",
+    "mark_row_count_dynamic",
     "permute_rows",
     "resolve_expert_dispatch_config",
     "sort_by_expert",

@@ -9,6 +9,7 @@ when the host resumes. The host then derives the split lists, the local experts'
 rank, local expert)` block's offset in the local-expert-major order, so the reorder is a `repeat_interleave` of
 64-odd offsets rather than a second sort (design 0025: the forward is host-bound, every launched op counts).
 Every reordering is a gather whose backward is the inverse gather (`permute_rows`), never a scatter-add.
+`dispatch` and `combine` never run under Dynamo (`eager_only`): see `TokenDispatcher`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from d9d.kernels.expert_dispatch.api import DispatchedTokens, check_routing, split_experts
+from d9d.kernels.eager_only import eager_only
+from d9d.kernels.expert_dispatch.api import DispatchedTokens, check_routing, mark_row_count_dynamic, split_experts
 from d9d.kernels.expert_dispatch.sorting import (
     ExpertOrder,
     gather_sorted_rows,
@@ -116,6 +118,7 @@ class AllToAllDispatcher:
         # busiest rank sets every rank's pace, so benchmarks compare it across ranks (routing imbalance).
         self.rows_received = 0
 
+    @eager_only
     def dispatch(self, x: torch.Tensor, expert_indices: torch.Tensor, expert_weights: torch.Tensor) -> DispatchedTokens:
         check_routing(x, expert_indices, expert_weights)
         top_k = expert_indices.shape[1]
@@ -167,8 +170,9 @@ class AllToAllDispatcher:
             local_order=local_order,
             local_inverse=local_inverse,
         )
-        return DispatchedTokens(rows=rows, group_sizes=aux[num_blocks:], handle=handle)
+        return DispatchedTokens(rows=mark_row_count_dynamic(rows), group_sizes=aux[num_blocks:], handle=handle)
 
+    @eager_only
     def combine(self, rows: torch.Tensor, dispatched: DispatchedTokens) -> torch.Tensor:
         handle = dispatched.handle
         assert isinstance(handle, _AllToAllHandle), "combine() needs the DispatchedTokens of this dispatcher"

@@ -27,6 +27,11 @@ class TokenDispatcher(Protocol):
     its expert (global index; `-1` marks a copy dropped by a capacity limit, which goes nowhere). `combine(rows,
     dispatched)`: the expert outputs (same order as `dispatched.rows`) come back, are weighted by the combine weights
     and summed per token, `(T, H)`. Both are differentiable (rows, `x` and the combine weights).
+
+    Under `torch.compile` both are graph breaks (`eager_only`, i.e. `torch.compiler.disable`): they copy counts to
+    the host and pass them to collectives as Python lists, which Dynamo would bake into guards (a recompilation for
+    every new routing). Code compiled between them sees `rows` with a dynamic first dimension
+    (`mark_row_count_dynamic`), so it compiles once for every row count.
     """
 
     name: str
@@ -57,3 +62,11 @@ def split_experts(num_experts: int, num_ranks: int) -> int:
             + ", ".join(str(d) for d in range(1, num_experts + 1) if num_experts % d == 0)
         )
     return num_experts // num_ranks
+
+
+def mark_row_count_dynamic(rows: torch.Tensor) -> torch.Tensor:
+    """`rows`, marked so that code compiled after a dispatch treats its length as symbolic from the first compile
+    (it depends on the routing) rather than specialising on it and recompiling when it changes. A no-op in eager
+    execution (it sets an attribute)."""
+    torch._dynamo.maybe_mark_dynamic(rows, 0)
+    return rows

@@ -7,6 +7,7 @@ those back on the source rank. Backward of dispatch is a combine of the gradient
 with the same handle, backward of combine a cached dispatch: DeepEP's own recipe. Low-latency mode (inference only,
 needs NVSHMEM with IBGDA) dispatches into per-expert buffers and combines with the weights inside the kernel.
 The calls follow DeepEP's v1 `Buffer` API (1.0.0 on PyPI through 1.2.1); see bench/build_deepep.sh to build it.
+`dispatch` and `combine` never run under Dynamo (`eager_only`): see `TokenDispatcher`.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from d9d.kernels.eager_only import eager_only
 from d9d.kernels.errors import BackendUnavailable
-from d9d.kernels.expert_dispatch.api import DispatchedTokens, check_routing, split_experts
+from d9d.kernels.expert_dispatch.api import DispatchedTokens, check_routing, mark_row_count_dynamic, split_experts
 from d9d.kernels.expert_dispatch.sorting import ExpertOrder, gather_sorted_rows, sort_by_expert, weighted_unsort
 
 DeepEpMode = Literal["normal", "low_latency"]
@@ -141,6 +143,7 @@ class DeepEpDispatcher:
                 )
         return self._buffer
 
+    @eager_only
     def dispatch(self, x: torch.Tensor, expert_indices: torch.Tensor, expert_weights: torch.Tensor) -> DispatchedTokens:
         check_routing(x, expert_indices, expert_weights)
         if x.dtype != torch.bfloat16:
@@ -158,11 +161,12 @@ class DeepEpDispatcher:
         rows = gather_sorted_rows(recv_x, sort, recv_idx.shape[1], sum(per_expert))
         group_sizes = torch.tensor(per_expert, dtype=torch.int64, device=x.device)
         return DispatchedTokens(
-            rows=rows,
+            rows=mark_row_count_dynamic(rows),
             group_sizes=group_sizes,
             handle=_NormalHandle(deep_ep_handle=handle, sort=sort, recv_weights=recv_weights, dtype=x.dtype),
         )
 
+    @eager_only
     def combine(self, rows: torch.Tensor, dispatched: DispatchedTokens) -> torch.Tensor:
         handle = dispatched.handle
         if isinstance(handle, _LowLatencyHandle):
@@ -196,7 +200,7 @@ class DeepEpDispatcher:
         counts = [int(n) for n in counts_tensor.tolist()]
         rows = torch.cat([per_expert[e, :n] for e, n in enumerate(counts)]).to(x.dtype)
         return DispatchedTokens(
-            rows=rows,
+            rows=mark_row_count_dynamic(rows),
             group_sizes=torch.tensor(counts, dtype=torch.int64, device=x.device),
             handle=_LowLatencyHandle(
                 deep_ep_handle=handle,

@@ -23,6 +23,7 @@ from torch import nn
 
 from d9d.models.generation.cache import allowed_slots, attach_kv_cache
 from d9d.models.generation.sampling import SamplingConfig, next_tokens
+from d9d.parallel import compute_device
 
 
 class GenerationConfig(BaseModel):
@@ -160,9 +161,8 @@ def _check_same_on_tp_ranks(
 
 
 def _model_device(model: nn.Module) -> torch.device:
-    for parameter in model.parameters():
-        return parameter.device
-    raise ValueError(f"{type(model).__name__} has no parameters")
+    # Not the first parameter's device: CPU-offloaded FSDP keeps CPU shards of a GPU mesh, and computes on the GPU.
+    return compute_device(model)
 
 
 def _last_logits(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

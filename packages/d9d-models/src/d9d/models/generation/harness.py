@@ -27,6 +27,7 @@ from torch.nn import functional
 
 from d9d.models.generation.generate import GenerationConfig, check_whole_sequences, generate
 from d9d.models.generation.sampling import SamplingConfig
+from d9d.parallel import compute_device
 
 
 class TextCodec(Protocol):
@@ -101,7 +102,7 @@ class D9dHarnessLM(LM):  # type: ignore[misc]  # lm_eval ships no type informati
         self.model = model.eval()
         self.codec = codec
         self.max_length, self.batch_size, self.max_gen_toks = max_length, batch_size, max_gen_toks
-        self._device = next(model.parameters()).device
+        self._device = compute_device(model)  # the GPU for CPU-offloaded FSDP shards, not their CPU
         self.process_group = process_group
 
     @property

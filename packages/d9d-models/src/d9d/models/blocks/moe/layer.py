@@ -7,6 +7,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
+from d9d.kernels.eager_only import eager_only
 from d9d.kernels.expert_dispatch import AnyExpertDispatchConfig, TokenDispatcher, count_per_expert
 from d9d.kernels.grouped_mm import GroupedMm
 from d9d.models.blocks.ffn import SwiGLU
@@ -34,7 +35,8 @@ class MoELayer(nn.Module):
 
     Expert parallelism (`parallelize_experts`) sets `dispatcher`: token copies then travel to the ranks owning their
     experts and back instead of being permuted locally; `dispatch_config` names the backend it builds (`None`:
-    environment, then detection). `capacity_factor` (default off) drops the copies beyond
+    environment, then detection); in a compiled layer the exchange, the local experts and the load count stay eager
+    (`_exchange_through_experts`, one graph break). `capacity_factor` (default off) drops the copies beyond
     `ceil(factor * T * k / E)` per expert on each rank; the load counts what the router chose, before dropping.
     """
 
@@ -114,23 +116,45 @@ class MoELayer(nn.Module):
             permuted = permute_tokens(flat, indices, self.num_experts, may_drop=self.capacity_factor is not None)
             expert_rows = self.experts(permuted.rows, permuted.group_sizes)
             out = unpermute_tokens(expert_rows, permuted, routing.expert_weights)
+            self._record_load(routed)
         else:
-            # Named ranges, so a profile shows the share of a step spent moving tokens (bench/expert_parallel.py).
-            with record_function("moe.dispatch"):
-                dispatched = self.dispatcher.dispatch(flat, indices, routing.expert_weights)
-            expert_rows = self.experts(dispatched.rows, dispatched.group_sizes)
-            with record_function("moe.combine"):
-                out = self.dispatcher.combine(expert_rows, dispatched)
+            out = self._exchange_through_experts(flat, indices, routing.expert_weights, routed)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
-        if not _in_backward():
-            with torch.no_grad():
-                loads = routed.float()
-                if self.token_shard_group is not None:
-                    dist.all_reduce(loads, group=self.token_shard_group)
-                self.tokens_per_expert.add_(loads)
         out = self._add_aux_losses(out, routing.scores, routing.logits, routed)
         return out.view(shape)
+
+    @eager_only
+    def _exchange_through_experts(
+        self, flat: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, routed: torch.Tensor
+    ) -> torch.Tensor:
+        """Dispatch, the local experts, combine (and the load count): always eager, one graph break when the layer
+        is compiled (`compile_layers`, `compile_model`; design 0025, third round). The exchange copies its split
+        sizes to the host and sends them as Python lists, which Dynamo would bake into guards (a recompilation per
+        new routing); the experts' row count depends on the routing too, their parameters are swapped for
+        compute-dtype copies by a hook (efsdp = 1) or all-gathered by their own FSDP unit (efsdp > 1), and they
+        launch only three grouped GEMMs and a SwiGLU. Everything before (norms, attention, router) and after
+        (shared experts, residual) stays in the compiled graphs."""
+        assert self.dispatcher is not None
+        # Named ranges, so a profile shows the share of a step spent moving tokens (bench/expert_parallel.py).
+        with record_function("moe.dispatch"):
+            dispatched = self.dispatcher.dispatch(flat, indices, weights)
+        expert_rows = self.experts(dispatched.rows, dispatched.group_sizes)
+        with record_function("moe.combine"):
+            out = self.dispatcher.combine(expert_rows, dispatched)
+        self._record_load(routed)  # here rather than in forward: its recomputation check would break the graph again
+        return out
+
+    def _record_load(self, routed: torch.Tensor) -> None:
+        """Add the routed copies per expert to `tokens_per_expert`, unless this is an activation-checkpoint
+        recomputation (not another forward)."""
+        if _in_backward():
+            return
+        with torch.no_grad():
+            loads = routed.float()
+            if self.token_shard_group is not None:
+                dist.all_reduce(loads, group=self.token_shard_group)
+            self.tokens_per_expert.add_(loads)
 
     def _add_aux_losses(
         self, out: torch.Tensor, scores: torch.Tensor, logits: torch.Tensor, group_sizes: torch.Tensor
