@@ -24,6 +24,9 @@
 #              splits under the measured cost model, 4 rows per micro-batch (bench/pipeline_balance.py's table)
 #   pipetrace: 1F1B and ZBV at 1 and 2 rows per micro-batch with a traced step per rank, then where each rank's
 #              time goes (bench/pipeline_trace.py)
+#   pipehost : host ms per F / I / W / B of ZBV's 5-layer stage, kernel ops dispatched vs called directly (1 GPU),
+#              then cost-aware ZBV 4/3 and 1F1B 1/7 at PIPE_ROWS (default 4) with the ops dispatched (the old path),
+#              then called directly (the default), on the same machine
 #   pipeline2: one stage's split backward against its full backward (ops, calls, host/device ms; 1 GPU), then
 #              1F1B, ZBV and DualPipeV at pp=2 (2 GPUs), the anchor's 32 layers with 16 micro-batches
 #   kernels  : the kernel table and the single-GPU Trainer ablation
@@ -209,6 +212,17 @@ for part in "$@"; do case $part in
       done
     done
     python3 bench/pipeline_trace.py "$out/pptraces" | tee -a "$out/pp.log" ;;
+  pipehost)  # host work per action (bench/pipeline_host_overhead.py), then the pipecost rows with both call modes
+    for rows in 1 4; do run 0 120 pphost.log bench/pipeline_host_overhead.py --layers 5 --rows $rows --repeats 10; done
+    for mode in dispatch direct; do
+      for item in "zbv 4 3" "1f1b 1 7"; do
+        set -- $item
+        echo "## D9D_KERNEL_OP_CALLS=$mode" | tee -a "$out/pphost.log"
+        D9D_KERNEL_OP_CALLS=$mode run 0,1,2,3 ${PIPE_SECONDS:-100} pphost.log bench/pipeline_schedules.py \
+          --schedules $1 --virtual-layers-pre $2 --virtual-layers-post $3 --microbatch-rows ${PIPE_ROWS:-4} --steps 5 \
+          --warmup 2 --profile-steps 1 --head-costs 5.3 17.8 0 --embedding-costs 0 0 0.3
+      done
+    done ;;
   pipeline2)
     for layers in 8 4; do run 0 100 pp2.log bench/pipeline_split_backward.py --layers $layers; done
     for schedule in 1f1b zbv dualpipe_v; do

@@ -11,10 +11,10 @@ from typing import Any
 import torch
 
 from d9d.kernels.grouped_mm import triton_kernels
-from d9d.kernels.triton_support import check_triton_device
+from d9d.kernels.triton_support import check_triton_device, kernel_op
 
 
-@torch.library.custom_op("d9d_kernels::grouped_mm_forward", mutates_args=())
+@kernel_op("d9d_kernels::grouped_mm_forward")
 def _forward_op(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     check_triton_device(x, weight, offsets)
     return triton_kernels.forward(x, weight, offsets)
@@ -25,7 +25,7 @@ def _(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Ten
     return x.new_empty((x.shape[0], weight.shape[1]))
 
 
-@torch.library.custom_op("d9d_kernels::grouped_mm_backward_input", mutates_args=())
+@kernel_op("d9d_kernels::grouped_mm_backward_input")
 def _backward_input_op(grad: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     check_triton_device(grad, weight, offsets)
     return triton_kernels.backward_input(grad, weight, offsets)
@@ -36,7 +36,7 @@ def _(grad: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.
     return grad.new_empty((grad.shape[0], weight.shape[2]))
 
 
-@torch.library.custom_op("d9d_kernels::grouped_mm_backward_weight", mutates_args=())
+@kernel_op("d9d_kernels::grouped_mm_backward_weight")
 def _backward_weight_op(grad: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     check_triton_device(grad, x, offsets)
     return triton_kernels.backward_weight(grad, x, offsets, offsets.shape[0] - 1)

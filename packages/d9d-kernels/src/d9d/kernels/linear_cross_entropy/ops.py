@@ -24,12 +24,12 @@ from d9d.kernels.linear_cross_entropy.chunks import (
 from d9d.kernels.linear_cross_entropy.summed import SummedLoss, summed_function, summed_linear_cross_entropy
 from d9d.kernels.linear_cross_entropy.triton_kernels import TritonChunkMath
 from d9d.kernels.split_backward import wanted_backward_halves
-from d9d.kernels.triton_support import check_triton_device
+from d9d.kernels.triton_support import check_triton_device, kernel_op
 
 _MATH = TritonChunkMath()
 
 
-@torch.library.custom_op("d9d_kernels::linear_cross_entropy_stats", mutates_args=())
+@kernel_op("d9d_kernels::linear_cross_entropy_stats")
 def _stats_op(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_start: int, chunk_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -57,7 +57,7 @@ def _gradients(
     return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype)
 
 
-@torch.library.custom_op("d9d_kernels::linear_cross_entropy_backward", mutates_args=())
+@kernel_op("d9d_kernels::linear_cross_entropy_backward")
 def _backward_op(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, grad_losses: torch.Tensor,
     vocab_start: int, chunk_size: int,
@@ -78,7 +78,7 @@ def _(
     return torch.empty_like(hidden), torch.empty_like(weight)
 
 
-@torch.library.custom_op("d9d_kernels::linear_cross_entropy_backward_input", mutates_args=())
+@kernel_op("d9d_kernels::linear_cross_entropy_backward_input")
 def _backward_input_op(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, grad_losses: torch.Tensor,
     vocab_start: int, chunk_size: int,
@@ -98,7 +98,7 @@ def _(
     return torch.empty_like(hidden)
 
 
-@torch.library.custom_op("d9d_kernels::linear_cross_entropy_backward_weight", mutates_args=())
+@kernel_op("d9d_kernels::linear_cross_entropy_backward_weight")
 def _backward_weight_op(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, grad_losses: torch.Tensor,
     vocab_start: int, chunk_size: int,
@@ -165,13 +165,13 @@ class _TritonLinearCrossEntropy(torch.autograd.Function):
         if want_input and want_weight:
             grad_hidden, grad_weight = _backward_op(hidden, weight, labels, lse, grad_losses, 0, ctx.chunk_size)
             return grad_hidden, grad_weight, None, None
-        grad_hidden = (
+        input_half: torch.Tensor | None = (
             _backward_input_op(hidden, weight, labels, lse, grad_losses, 0, ctx.chunk_size) if want_input else None
         )
-        grad_weight = (
+        weight_half: torch.Tensor | None = (
             _backward_weight_op(hidden, weight, labels, lse, grad_losses, 0, ctx.chunk_size) if want_weight else None
         )
-        return grad_hidden, grad_weight, None, None
+        return input_half, weight_half, None, None
 
 
 def fused_linear_cross_entropy(
@@ -183,7 +183,7 @@ def fused_linear_cross_entropy(
     return losses
 
 
-@torch.library.custom_op("d9d_kernels::linear_cross_entropy_with_gradients", mutates_args=())
+@kernel_op("d9d_kernels::linear_cross_entropy_with_gradients")
 def _with_gradients_op(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int, want_input: bool,
     want_weight: bool,

@@ -12,10 +12,10 @@ from typing import Any
 import torch
 
 from d9d.kernels.moe_permute import triton_kernels
-from d9d.kernels.triton_support import check_triton_device
+from d9d.kernels.triton_support import check_triton_device, kernel_op
 
 
-@torch.library.custom_op("d9d_kernels::moe_gather_rows", mutates_args=())
+@kernel_op("d9d_kernels::moe_gather_rows")
 def _gather_op(src: torch.Tensor, index: torch.Tensor, scale: torch.Tensor | None, divisor: int) -> torch.Tensor:
     check_triton_device(src, index)
     return triton_kernels.gather(src, index, scale, divisor)
@@ -26,7 +26,7 @@ def _(src: torch.Tensor, index: torch.Tensor, scale: torch.Tensor | None, diviso
     return src.new_empty((index.shape[0], src.shape[1]))
 
 
-@torch.library.custom_op("d9d_kernels::moe_combine_rows", mutates_args=())
+@kernel_op("d9d_kernels::moe_combine_rows")
 def _combine_op(src: torch.Tensor, index: torch.Tensor, weights: torch.Tensor | None, top_k: int) -> torch.Tensor:
     check_triton_device(src, index)
     return triton_kernels.combine(src, index, weights, top_k)
@@ -37,7 +37,7 @@ def _(src: torch.Tensor, index: torch.Tensor, weights: torch.Tensor | None, top_
     return src.new_empty((index.shape[0] // top_k, src.shape[1]))
 
 
-@torch.library.custom_op("d9d_kernels::moe_row_dots", mutates_args=())
+@kernel_op("d9d_kernels::moe_row_dots")
 def _dots_op(a: torch.Tensor, b: torch.Tensor, index: torch.Tensor, top_k: int) -> torch.Tensor:
     check_triton_device(a, b, index)
     return triton_kernels.dots(a, b, index, top_k)

@@ -13,10 +13,10 @@ from typing import Any
 import torch
 
 from d9d.kernels.rms_norm import triton_kernels
-from d9d.kernels.triton_support import check_triton_device
+from d9d.kernels.triton_support import check_triton_device, kernel_op
 
 
-@torch.library.custom_op("d9d_kernels::rms_norm_forward", mutates_args=())
+@kernel_op("d9d_kernels::rms_norm_forward")
 def _forward_op(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, out_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -34,7 +34,7 @@ def _(
     return x.new_empty(x.shape, dtype=out_dtype), summed, x.new_empty(x.shape[0], dtype=torch.float32)
 
 
-@torch.library.custom_op("d9d_kernels::rms_norm_backward_input", mutates_args=())
+@kernel_op("d9d_kernels::rms_norm_backward_input")
 def _backward_input_op(
     grad_out: torch.Tensor,
     summed: torch.Tensor,
@@ -57,7 +57,7 @@ def _(
     return torch.empty_like(summed)
 
 
-@torch.library.custom_op("d9d_kernels::rms_norm_backward_weight", mutates_args=())
+@kernel_op("d9d_kernels::rms_norm_backward_weight")
 def _backward_weight_op(
     grad_out: torch.Tensor, summed: torch.Tensor, rstd: torch.Tensor, weight_dtype: torch.dtype
 ) -> torch.Tensor:
@@ -111,6 +111,9 @@ class _RmsNormFunction(torch.autograd.Function):
         ctx.shape = x.shape
         if residual is None:
             ctx.mark_non_differentiable(summed)
+        # An output without a gradient reaches backward as None (handled there), not as a zeros tensor autograd
+        # would allocate (one per norm without a residual, every backward).
+        ctx.set_materialize_grads(False)
         return out.view(x.shape), summed.view(x.shape) if residual is not None else summed
 
     @staticmethod

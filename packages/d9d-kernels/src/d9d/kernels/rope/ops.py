@@ -11,10 +11,10 @@ from typing import Any
 import torch
 
 from d9d.kernels.rope import triton_kernels
-from d9d.kernels.triton_support import check_triton_device
+from d9d.kernels.triton_support import check_triton_device, kernel_op
 
 
-@torch.library.custom_op("d9d_kernels::rope_forward", mutates_args=())
+@kernel_op("d9d_kernels::rope_forward")
 def _forward_op(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -27,7 +27,7 @@ def _(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     return torch.empty_like(q), torch.empty_like(k)
 
 
-@torch.library.custom_op("d9d_kernels::rope_backward_input", mutates_args=())
+@kernel_op("d9d_kernels::rope_backward_input")
 def _backward_op(
     grad_q: torch.Tensor, grad_k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,6 +67,7 @@ class _RopeFunction(torch.autograd.Function):
         flat_cos, flat_sin = _tables(cos, q), _tables(sin, q)
         ctx.save_for_backward(flat_cos, flat_sin)
         ctx.shapes = (q.shape, k.shape)
+        ctx.set_materialize_grads(False)  # backward makes the zeros of a missing gradient itself
         q_out, k_out = _forward_op(_flat(q), _flat(k), flat_cos, flat_sin)
         return q_out.view(q.shape), k_out.view(k.shape)
 

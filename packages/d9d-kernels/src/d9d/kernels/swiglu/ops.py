@@ -12,10 +12,10 @@ from typing import Any
 import torch
 
 from d9d.kernels.swiglu import triton_kernels
-from d9d.kernels.triton_support import check_triton_device
+from d9d.kernels.triton_support import check_triton_device, kernel_op
 
 
-@torch.library.custom_op("d9d_kernels::swiglu_forward", mutates_args=())
+@kernel_op("d9d_kernels::swiglu_forward")
 def _forward_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     check_triton_device(gate, up)
     return triton_kernels.forward(gate, up)
@@ -26,7 +26,7 @@ def _(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(gate)
 
 
-@torch.library.custom_op("d9d_kernels::swiglu_backward_input", mutates_args=())
+@kernel_op("d9d_kernels::swiglu_backward_input")
 def _backward_op(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     check_triton_device(grad, gate, up)
     return triton_kernels.backward(grad, gate, up)

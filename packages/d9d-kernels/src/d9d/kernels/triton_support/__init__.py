@@ -2,9 +2,11 @@
 
 Nothing here imports Triton at module load; `import_triton()` does, on first use, and turns a missing install into
 `BackendUnavailable` naming the extra. With `TRITON_INTERPRET=1` Triton runs its kernels in NumPy on CPU tensors:
-the CPU tests use that at small sizes.
+the CPU tests use that at small sizes. `kernel_op` registers a kernel piece as a custom op whose plain eager calls
+skip the dispatcher.
 """
 
+from d9d.kernels.triton_support.kernel_op import KernelOp, kernel_op, kernel_op_calls, set_kernel_op_calls
 from d9d.kernels.triton_support.runtime import (
     any_dtensor,
     check_triton_device,
@@ -15,10 +17,14 @@ from d9d.kernels.triton_support.runtime import (
 )
 
 __all__ = [
+    "KernelOp",
     "any_dtensor",
     "check_triton_device",
     "import_triton",
     "interpreting",
+    "kernel_op",
+    "kernel_op_calls",
     "next_power_of_2",
     "reduction_programs",
+    "set_kernel_op_calls",
 ]

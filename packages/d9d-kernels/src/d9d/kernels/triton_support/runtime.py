@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from types import ModuleType
@@ -29,8 +30,14 @@ def import_triton() -> ModuleType:
 
 def check_triton_device(*tensors: torch.Tensor) -> None:
     """Triton kernels run on CUDA tensors, or on CPU tensors under the interpreter; anything else is an error."""
+    for tensor in tensors:  # the common case first, without reading the environment (this runs on every launch)
+        if not tensor.is_cuda:
+            break
+    else:
+        return
+    interpret = interpreting()
     for tensor in tensors:
-        if tensor.device.type == "cuda" or (tensor.device.type == "cpu" and interpreting()):
+        if tensor.is_cuda or (interpret and tensor.device.type == "cpu"):
             continue
         raise ValueError(
             f"a Triton kernel got a tensor on {tensor.device}: Triton kernels run on CUDA tensors (or on CPU with "
@@ -54,5 +61,13 @@ def next_power_of_2(value: int) -> int:
 def reduction_programs(rows: int, device: torch.device) -> int:
     """How many programs a row-reduction kernel (a weight gradient) splits `rows` over: a few per SM on a GPU (so
     every SM is busy and the float32 partial sums stay small), a handful under the interpreter."""
-    count = torch.cuda.get_device_properties(device).multi_processor_count * 4 if device.type == "cuda" else 4
-    return max(1, min(rows, count))
+    if device.type != "cuda":
+        return max(1, min(rows, 4))
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return max(1, min(rows, _multiprocessors(index) * 4))
+
+
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    """The SM count of CUDA device `index` (asked once: `get_device_properties` costs host time on every launch)."""
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)

@@ -81,6 +81,20 @@ class StepOutcome:
     metric_sums: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class _RankPlan:
+    """What a step derives from its program for this rank, computed once per program (callers reuse a program per
+    (schedule, shape); `PipelineSchedule` caches them)."""
+
+    actions: tuple[Action, ...]
+    split: frozenset[Key]  # the (stage, micro-batch)s whose backward the program splits
+    reductions: Mapping[int, int]  # action index -> the FSDP stage whose deferred reduction finishes there
+    peers: tuple[int, ...]  # per action, the pipeline rank of a communication's peer (-1 for compute)
+
+
+_PLANS_KEPT = 8  # programs whose plans an executor keeps (training, evaluation, a few batch shapes)
+
+
 @dataclass
 class _Step:
     batches: Sequence[Any]
@@ -134,9 +148,26 @@ class PipelineExecutor:
         self._fsdp = {
             stage: DeferredReduction(roots) for stage, module in modules.items() if (roots := fsdp_roots(module))
         }
+        self._stages = tuple(PipelineStage(stage, layout.num_stages) for stage in range(layout.num_stages))
+        self._plans: dict[int, tuple[Program, _RankPlan]] = {}  # id(program) -> (program, plan); holds the program
 
     def stage_info(self, stage: int) -> PipelineStage:
-        return PipelineStage(stage, self.layout.num_stages)
+        return self._stages[stage]
+
+    def _plan(self, program: Program) -> _RankPlan:
+        cached = self._plans.get(id(program))
+        if cached is not None and cached[0] is program:
+            return cached[1]
+        actions = program.for_rank(self.rank)
+        split = frozenset(
+            (action.stage, action.microbatch) for action in actions if action.kind is ActionKind.BACKWARD_INPUT
+        )
+        peers = tuple(-1 if action.kind.is_compute else self.layout.rank_of(action.peer_stage()) for action in actions)
+        plan = _RankPlan(actions=actions, split=split, reductions=self._reduction_points(actions), peers=peers)
+        if len(self._plans) >= _PLANS_KEPT:
+            del self._plans[next(iter(self._plans))]
+        self._plans[id(program)] = (program, plan)
+        return plan
 
     def run(
         self, program: Program, task: PipelineTask[Any], batches: Sequence[Any], *, loss_scale: float
@@ -145,25 +176,22 @@ class PipelineExecutor:
             raise ValueError(
                 f"program {program.name!r} is for {program.num_microbatches} micro-batches, got {len(batches)}"
             )
-        actions = program.for_rank(self.rank)
-        split = frozenset(
-            (action.stage, action.microbatch) for action in actions if action.kind is ActionKind.BACKWARD_INPUT
-        )
-        step = _Step(batches=batches, loss_scale=loss_scale, training=program.training, split=split)
+        plan = self._plan(program)
+        step = _Step(batches=batches, loss_scale=loss_scale, training=program.training, split=plan.split)
         comm = None
         if self.group is not None:
             assert self._upstream is not None
             comm = Communicator(self.group, self._upstream)
-        deferred = self._deferred_reductions(actions) if program.training else {}
+        deferred = {index: self._fsdp[stage] for index, stage in plan.reductions.items()} if program.training else {}
         try:
             for reduction in deferred.values():
                 reduction.begin()
-            for index, action in enumerate(actions):
+            for index, action in enumerate(plan.actions):
                 if action.kind.is_compute:
                     self._compute(action, task, step)
                 else:
                     assert comm is not None, f"{action} in a single-rank program"
-                    self._communicate(action, task, step, comm)
+                    self._communicate(action, task, step, comm, plan.peers[index])
                 if index in deferred:
                     deferred.pop(index).finish()
         finally:
@@ -175,7 +203,7 @@ class PipelineExecutor:
             step.outcome.loss_sum = float(step.loss_total)
         return step.outcome
 
-    def _deferred_reductions(self, actions: Sequence[Action]) -> dict[int, DeferredReduction]:
+    def _reduction_points(self, actions: Sequence[Action]) -> dict[int, int]:
         """For each FSDP stage whose backward is split in `actions`: the index of its last backward action, where
         its gradients are reduced (runtime/fsdp_reduction.py). Stages with full backwards reduce as FSDP does."""
         split = {action.stage for action in actions if action.kind is ActionKind.BACKWARD_WEIGHT}
@@ -183,13 +211,12 @@ class PipelineExecutor:
         for index, action in enumerate(actions):
             if action.stage in split and action.kind in _BACKWARDS:
                 last[action.stage] = index
-        return {index: self._fsdp[stage] for stage, index in last.items() if stage in self._fsdp}
+        return {index: stage for stage, index in last.items() if stage in self._fsdp}
 
     # Communication -------------------------------------------------------------------------------------------------
 
-    def _communicate(self, action: Action, task: PipelineTask[Any], step: _Step, comm: Communicator) -> None:
+    def _communicate(self, action: Action, task: PipelineTask[Any], step: _Step, comm: Communicator, peer: int) -> None:
         key = (action.stage, action.microbatch)
-        peer = self.layout.rank_of(action.peer_stage())
         match action.kind:
             case ActionKind.SEND_ACTIVATION:
                 comm.send(step.outputs[key].detach(), peer)
