@@ -4,6 +4,7 @@ they exist, and the validator rejects broken programs with a message naming the 
 from functools import partial
 
 import pytest
+import torch
 
 from d9d.pipeline import PipelineConfig, plan_pipeline
 from d9d.pipeline.config import DualPipeVConfig, Interleaved1F1BConfig, OneFOneBConfig, ZeroBubbleVConfig
@@ -26,6 +27,7 @@ from d9d.pipeline.program import (
     zero_bubble_h1,
     zero_bubble_v,
 )
+from d9d.pipeline.runtime.executor import check_channel_groups
 
 BUILDERS = {
     "gpipe": gpipe,
@@ -138,20 +140,52 @@ def test_validator_rejects_receives_out_of_channel_order():
         actions.index(Action(1, ActionKind.RECV_ACTIVATION, 1)),
     )
     actions[first], actions[second] = actions[second], actions[first]
-    with pytest.raises(ProgramError, match=r"receive #0 from rank 0 would get message \('F', 0, 0\)|would land in"):
+    with pytest.raises(
+        ProgramError, match=r"channel rank 0 -> rank 1: message #0 is 0>F0 but receive #0 is 1<F1 .*in issue order"
+    ):
+        validate_program(_edited(program, 1, actions))
+
+
+def test_validator_rejects_a_channel_carrying_activations_and_gradients_out_of_order():
+    """ZBV, pp=2: rank 0 -> rank 1 carries stage 0's activations and stage 3's input gradients (the V's two arms).
+    Rank 1 posts the receive of the first gradient before the activation receive that precedes it on the channel:
+    message `k` would land in a buffer of the wrong kind and shape."""
+    program = build_program("zbv", partial(zero_bubble_v, 2, 4), 4)
+    sends = [a for a in program.ranks[0] if a.kind.is_send and program.layout.rank_of(a.peer_stage()) == 1]
+    gradient = next(i for i, a in enumerate(sends) if a.kind is ActionKind.SEND_GRADIENT)
+    assert gradient > 0 and sends[gradient - 1].kind is ActionKind.SEND_ACTIVATION
+    activation_recv = Action(1, ActionKind.RECV_ACTIVATION, sends[gradient - 1].microbatch)
+    gradient_recv = Action(2, ActionKind.RECV_GRADIENT, sends[gradient].microbatch)
+    actions = list(program.ranks[1])
+    actions.remove(gradient_recv)
+    actions.insert(actions.index(activation_recv), gradient_recv)
+    with pytest.raises(
+        ProgramError,
+        match=rf"channel rank 0 -> rank 1: message #{gradient - 1} is {sends[gradient - 1]} but receive "
+        rf"#{gradient - 1} is {gradient_recv}",
+    ):
         validate_program(_edited(program, 1, actions))
 
 
 def test_validator_reports_a_deadlock_with_every_blocked_rank():
-    program = _one_f_one_b(2, 1)
-    # Rank 0 waits for the gradient before it sends the activation that produces it.
+    program = _one_f_one_b(2, 2)
+    # Both channels carry micro-batch 0, then rank 0 waits for micro-batch 1's gradient before it sends the
+    # activation that produces it.
     actions = [
         Action(0, ActionKind.FORWARD, 0),
+        Action(0, ActionKind.SEND_ACTIVATION, 0),
         Action(0, ActionKind.RECV_GRADIENT, 0),
         Action(0, ActionKind.BACKWARD, 0),
-        Action(0, ActionKind.SEND_ACTIVATION, 0),
+        Action(0, ActionKind.FORWARD, 1),
+        Action(0, ActionKind.RECV_GRADIENT, 1),
+        Action(0, ActionKind.BACKWARD, 1),
+        Action(0, ActionKind.SEND_ACTIVATION, 1),
     ]
-    with pytest.raises(ProgramError, match=r"deadlock: rank 0 waits at 0B0 .* rank 1 waits at 1F0"):
+    with pytest.raises(
+        ProgramError,
+        match=r"deadlock: rank 0 waits at 0B1 for the input gradient of stage 1 for micro-batch 1 from rank 1; "
+        r"rank 1 waits at 1F1 for the activation of stage 0 for micro-batch 1 from rank 0",
+    ):
         validate_program(_edited(program, 0, actions))
 
 
@@ -159,6 +193,10 @@ def test_validator_rejects_a_stage_on_the_wrong_rank_and_an_incomplete_program()
     program = _one_f_one_b()
     with pytest.raises(ProgramError, match="stage 1 lives on rank 1"):
         validate_program(_edited(program, 0, [Action(1, ActionKind.FORWARD, 0)]))
+    with pytest.raises(ProgramError, match=r"rank 0, action 1<F0: stage 1 lives on rank 1"):
+        validate_program(_edited(program, 0, [*program.ranks[0], Action(1, ActionKind.RECV_ACTIVATION, 0)]))
+    with pytest.raises(ProgramError, match=r"rank 1, action 1>F0: stage 2 \(its other end\) is outside the 2 stages"):
+        validate_program(_edited(program, 1, [*program.ranks[1], Action(1, ActionKind.SEND_ACTIVATION, 0)]))
     cut = [a for a in program.ranks[0] if a.microbatch != 3] + [
         a for a in program.ranks[0] if a.microbatch == 3 and a.kind is ActionKind.FORWARD
     ]
@@ -206,17 +244,48 @@ def test_config_rejects_unknown_schedules_and_keys():
     assert list(plan.stage(5).layers(12)) == [10, 11]
 
 
-def test_validator_rejects_pair_operations_in_different_orders():
+def test_validator_accepts_the_two_directions_of_a_pair_in_different_orders():
     """Rank 1 posts the receive of micro-batch 1's activation after sending micro-batch 0's gradient, while rank 0
-    sends that activation before receiving the gradient: fine for gloo's per-direction matching, a stream deadlock
-    for NCCL, which runs a pair's operations of both directions in issue order."""
+    sends that activation before receiving the gradient. Each direction is its own channel with its own communicator
+    (design note 0026), so only each channel's order matters: valid (a single NCCL communicator per pair needed one
+    common order here, which the validator checked before 0.5.0)."""
     program = _one_f_one_b(2, 2)
     actions = list(program.ranks[1])
     recv, send = Action(1, ActionKind.RECV_ACTIVATION, 1), Action(1, ActionKind.SEND_GRADIENT, 0)
     actions.remove(recv)
     actions.insert(actions.index(send) + 1, recv)
-    with pytest.raises(ProgramError, match=r"ranks 0 and 1 issue their point-to-point operations in different orders"):
-        validate_program(_edited(program, 1, actions))
+    validate_program(_edited(program, 1, actions))
+
+
+def test_validator_rejects_channels_opened_in_crossed_orders():
+    """Rank 0 posts the gradient receive (channel 1 -> 0) before its first send (channel 0 -> 1), while rank 1 first
+    receives on 0 -> 1 and sends on 1 -> 0 only at the end. Posted receives never block, so this would run on gloo,
+    but NCCL creates each channel's communicator on its first operation, with both ends blocking until the other
+    arrives: rank 0 waits in 1 -> 0 for rank 1, which waits in 0 -> 1 for rank 0."""
+    program = _one_f_one_b(2, 1)
+    actions = [
+        Action(0, ActionKind.FORWARD, 0),
+        Action(0, ActionKind.RECV_GRADIENT, 0),
+        Action(0, ActionKind.SEND_ACTIVATION, 0),
+        Action(0, ActionKind.BACKWARD, 0),
+    ]
+    with pytest.raises(
+        ProgramError,
+        match=r"deadlock: rank 0 waits at 0<B0 for rank 1 to reach its first operation on channel rank 1 -> rank 0 .*"
+        r"rank 1 waits at 1<F0 for rank 0 to reach its first operation on channel rank 0 -> rank 1",
+    ):
+        validate_program(_edited(program, 0, actions))
+
+
+def test_one_group_for_both_directions_is_refused_on_nccl_only():
+    """Programs order each channel on its own; NCCL on one group would run a pair's two channels on one stream."""
+    check_channel_groups("gloo", torch.device("cpu"), separate=False)
+    check_channel_groups("cpu:gloo,cuda:nccl", torch.device("cpu"), separate=False)
+    check_channel_groups("nccl", torch.device("cuda", 0), separate=True)
+    for backend in ("nccl", "cpu:gloo,cuda:nccl"):
+        message = rf"upstream_group=None .*backend '{backend}' on device cuda:0: NCCL needs"
+        with pytest.raises(ValueError, match=message):
+            check_channel_groups(backend, torch.device("cuda", 0), separate=False)
 
 
 def test_stage_weights_charge_each_stage_its_share():

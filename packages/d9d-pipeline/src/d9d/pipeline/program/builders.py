@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from d9d.pipeline.program.actions import Action, B, F, I, Program, W
-from d9d.pipeline.program.communication import insert_communication, order_pairs
+from d9d.pipeline.program.communication import insert_communication
 from d9d.pipeline.program.greedy import greedy_zero_bubble
 from d9d.pipeline.program.layout import Placement, StageLayout
-from d9d.pipeline.program.replay import StageCost, replay
+from d9d.pipeline.program.replay import StageCost
 from d9d.pipeline.program.validate import validate_program
 
 ComputeOrder = dict[int, list[Action]]
@@ -160,11 +160,10 @@ def build_program(
 ) -> Program:
     """Run `builder`, insert the communication, validate (raises `ProgramError` with the reason) and return.
 
-    Communication is placed twice: channel by channel first, then, from that draft's replayed send times, in one
-    common order per pair of ranks (see `order_pairs`), which NCCL needs."""
+    Sends go right after their producers, receives before their consumers in the order of their channel's sends
+    (`insert_communication`). Operations of different channels are not ordered against each other: the executor
+    runs each channel (sender rank -> receiver rank) on its own communicator (design note 0026)."""
     layout, order = builder()
-    draft = Program(name, layout, num_microbatches, insert_communication(layout, order), training)
-    end_times = {item.action: item.end for items in replay(draft).ranks.values() for item in items}
-    program = Program(name, layout, num_microbatches, order_pairs(layout, order, end_times), training)
+    program = Program(name, layout, num_microbatches, insert_communication(layout, order), training)
     validate_program(program)
     return program

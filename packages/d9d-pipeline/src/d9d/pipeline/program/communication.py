@@ -1,8 +1,10 @@
 """Insert sends and receives into per-rank compute orders.
 
 A send goes right after the compute that produced its tensor. A receive goes before the compute that consumes it,
-moved earlier where needed so that on every (sender, receiver) channel receives are posted in the order of the
-sends: point-to-point messages of one pair of ranks are matched in issue order, not by content.
+moved earlier only where needed so that on every channel (sender rank -> receiver rank) receives are posted in the
+order of the sends: a channel's messages are matched in issue order, not by content. Nothing orders the operations
+of different channels: the executor gives each channel its own communicator (design note 0026), so an operation
+never waits behind one of another channel.
 """
 
 from __future__ import annotations
@@ -84,58 +86,3 @@ def insert_communication(layout: StageLayout, compute: Mapping[int, Sequence[Act
             program += produced_sends(layout, rank, action)
         programs[rank] = tuple(program)
     return programs
-
-
-def order_pairs(
-    layout: StageLayout, compute: Mapping[int, Sequence[Action]], end_times: Mapping[Action, float]
-) -> dict[int, tuple[Action, ...]]:
-    """Per-rank programs whose point-to-point operations between any two ranks come in one common order on both.
-
-    NCCL runs a pair of ranks' sends and receives, in both directions, on one stream in issue order, so operation `i`
-    of rank a with rank b must be operation `i` of rank b with rank a. The common order is the order in which the
-    messages are sent in a replay (`end_times`: when each compute ends); sends stay right after their producers,
-    receives are posted no later than their consumer and than the next operation of their pair.
-    """
-    keys: dict[int, list[tuple[float, Action]]] = {rank: [] for rank in compute}
-    send_key: dict[MessageKey, tuple[int, float]] = {}  # message -> (sender, program position)
-    for rank, actions in compute.items():
-        for index, action in enumerate(actions):
-            keys[rank].append((float(index), action))
-            for offset, send in enumerate(produced_sends(layout, rank, action)):
-                position = index + 0.25 + 1e-3 * offset
-                keys[rank].append((position, send))
-                send_key[message_key(send)] = (rank, position)
-
-    def sent_at(key: MessageKey) -> float:
-        direction, stage, mb = key
-        kind = ActionKind.FORWARD if direction == "F" else ActionKind.BACKWARD_INPUT
-        producer = Action(stage, kind, mb)
-        if producer not in end_times:
-            producer = Action(stage, ActionKind.BACKWARD, mb)
-        return end_times.get(producer, float("inf"))
-
-    for rank, actions in compute.items():
-        receives: dict[int, list[tuple[MessageKey, int, Action]]] = {}  # peer -> (message, consumer index, receive)
-        for index, action in enumerate(actions):
-            for recv in needed_receives(layout, rank, action):
-                receives.setdefault(layout.rank_of(recv.peer_stage()), []).append((message_key(recv), index, recv))
-        for peer, incoming in receives.items():
-            pair: list[tuple[tuple[float, int], MessageKey, int, Action | None]] = [
-                ((sent_at(key), peer), key, index, recv) for key, index, recv in incoming
-            ]
-            pair += [
-                ((sent_at(key), rank), key, -1, None)
-                for key, (sender, _) in send_key.items()
-                if sender == rank and layout.rank_of(key[1] + (1 if key[0] == "F" else -1)) == peer
-            ]
-            pair.sort(key=lambda item: (item[0], item[1]))
-            next_position = float("inf")
-            for _, key, index, receive in reversed(pair):
-                if receive is None:  # our own send: fixed
-                    next_position = send_key[key][1]
-                    continue
-                next_position = min(index - 0.5, next_position - 1e-6)
-                keys[rank].append((next_position, receive))
-    return {
-        rank: tuple(action for _, action in sorted(items, key=lambda item: item[0])) for rank, items in keys.items()
-    }

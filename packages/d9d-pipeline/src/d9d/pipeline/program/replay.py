@@ -2,6 +2,9 @@
 
 Sends and receives are posted without blocking; a compute waits until its inputs exist (a local predecessor's
 result or an arrived message); message `k` of a (sender, receiver) channel pairs with receive `k` of that channel.
+The first operation of a channel waits until the other end reaches its first operation on it too: the executor gives
+each channel its own NCCL communicator, which is created on the first message by both ends together (a host-side
+rendezvous). That wait only orders the replay; it does not move simulated time, since communicators outlive a step.
 The replay is the validator's proof (it raises `ProgramError` on a deadlock, a mispaired message, a duplicated or
 missing computation) and the simulator's timeline (per-action start and end times from `ActionCosts`).
 """
@@ -148,6 +151,13 @@ class _Replay:
         self.done: dict[Action, float] = {}  # compute action -> end time
         self.channels: dict[tuple[int, int], _Channel] = {}
         self.posted: dict[tuple[int, MessageKey], tuple[int, int]] = {}  # (rank, key) -> (source, index)
+        self.arrived: dict[tuple[int, int], set[int]] = {}  # channel -> ranks at (or past) their first operation on it
+        self.used: set[tuple[int, tuple[int, int]]] = {  # (rank, channel) where the rank has an operation on it
+            (rank, self.channel_of(rank, action))
+            for rank, actions in program.ranks.items()
+            for action in actions
+            if action.kind.is_send or action.kind.is_recv
+        }
         self.timeline = Timeline(program, {rank: [] for rank in program.ranks})
 
     def fail(self, rank: int, action: Action, reason: str) -> ProgramError:
@@ -178,6 +188,8 @@ class _Replay:
         action = self.program.ranks[rank][self.pc[rank]]
         if self.layout.rank_of(action.stage) != rank:
             raise self.fail(rank, action, f"stage {action.stage} lives on rank {self.layout.rank_of(action.stage)}")
+        if (action.kind.is_recv or action.kind.is_send) and not self.channel_open(rank, action):
+            return False
         if action.kind.is_recv:
             self.post_receive(rank, action)
             return True
@@ -194,6 +206,20 @@ class _Replay:
         self.done[action] = end
         self.timeline.ranks[rank].append(TimedAction(action, start, end))
         return True
+
+    def channel_of(self, rank: int, action: Action) -> tuple[int, int]:
+        """(sender rank, receiver rank) of send or receive `action` on `rank`."""
+        peer = self.layout.rank_of(action.peer_stage())
+        return (rank, peer) if action.kind.is_send else (peer, rank)
+
+    def channel_open(self, rank: int, action: Action) -> bool:
+        """Whether `action`'s channel is open: both ends have reached an operation on it (a channel only one end uses
+        is left to `check_complete`, which names the lost message)."""
+        channel = self.channel_of(rank, action)
+        arrived = self.arrived.setdefault(channel, set())
+        arrived.add(rank)
+        peer = channel[0] if channel[1] == rank else channel[1]
+        return peer in arrived or (peer, channel) not in self.used
 
     def post_receive(self, rank: int, action: Action) -> None:
         key = message_key(action)
@@ -272,6 +298,13 @@ class _Replay:
 
     def waiting_for(self, rank: int) -> str:
         action = self.program.ranks[rank][self.pc[rank]]
+        if action.kind.is_send or action.kind.is_recv:
+            source, target = self.channel_of(rank, action)
+            peer = target if source == rank else source
+            return (
+                f"rank {peer} to reach its first operation on channel rank {source} -> rank {target} (the channel's "
+                "communicator is created on its first message, by both ends together)"
+            )
         for dependency in _dependencies(action, self.layout.last_stage):
             owner = self.layout.rank_of(dependency.stage)
             if owner == rank:

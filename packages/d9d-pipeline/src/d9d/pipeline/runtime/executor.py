@@ -57,6 +57,21 @@ def resolve_split_backward(value: str | None = None) -> SplitBackward:
     raise ValueError(f"{source}={value!r} is not a split backward; valid: {', '.join(get_args(SplitBackward))}")
 
 
+def check_channel_groups(backend: str, device: torch.device, *, separate: bool) -> None:
+    """Refuse one group for both directions (`separate=False`) where the pipeline group's `backend` runs `device`'s
+    messages on NCCL: programs order each channel (sender -> receiver) on its own, and NCCL would run a pair's two
+    channels on one stream in issue order, which can deadlock (design note 0026). gloo matches each direction on its
+    own, so it may share."""
+    if separate or device.type == "cpu" or "nccl" not in backend.lower():
+        return
+    raise ValueError(
+        f"PipelineExecutor: upstream_group=None (or the pipeline group itself) on a pipeline group with backend "
+        f"{backend!r} on device {device}: NCCL needs a second group over the same ranks for the messages to lower "
+        "pipeline ranks (d9d.pipeline.pipeline_upstream_group(ctx); build_pipeline_schedule passes it), since programs "
+        "order each direction between two ranks on its own (design note 0026)"
+    )
+
+
 @dataclass
 class StepOutcome:
     """This rank's part of a step: summed (unscaled) losses and metric sums of the micro-batches whose last stage
@@ -121,8 +136,12 @@ class PipelineExecutor:
         self.modules, self.layout, self.rank, self.device = dict(modules), layout, pipeline_rank, device
         self.group = group
         # Messages to lower pipeline ranks travel on `upstream_group` (the same ranks as `group`; runtime/p2p.py,
-        # `build.pipeline_upstream_group`). Without one, both directions share `group`, as before design 0026: the
-        # programs' common order per pair of ranks keeps that correct on NCCL.
+        # `build.pipeline_upstream_group`), so each channel has its own communicator: programs order each channel's
+        # operations, not a pair's (design 0026). Without one, both directions share `group`: gloo matches each
+        # direction on its own, but NCCL would run a pair's two channels on one stream in issue order and could
+        # deadlock, so it is refused there.
+        if group is not None:
+            check_channel_groups(str(dist.get_backend(group)), device, separate=upstream_group not in (None, group))
         self._upstream = upstream_group if upstream_group is not None else group
         self.split_backward = resolve_split_backward(split_backward)
         self.deferred_weight_gradients = 0  # work items the store's weight passes ran, over the executor's life
