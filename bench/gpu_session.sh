@@ -14,6 +14,7 @@
 #   ep4d     : design 0025's third round, compiled decoder layers (dispatch/combine eager): 1 GPU fsdp compiled; 4 GPUs
 #              fsdp, ep whole and ep split compiled, then ep whole eager (ep4c's row) for comparison; ~8 minutes
 #   ep4dtests: compiled EP against eager EP on NCCL (Inductor; all_to_all float32, deep_ep bf16 where installed)
+#   ep4e     : issue 15 goal rows eager and compiled (--kernels loss): 1 GPU fsdp, then 4 GPUs fsdp and ep-whole
 #   kerneltests: GPU tests in the pytest process (kernels at real sizes, models); run after forking parts
 #   compile  : tp2 x dp_shard2 with compiled layers, async TP off and on
 #   pipeline : pipeline schedules at pp=4 (PIPE_SCHEDULES), one launch each
@@ -147,6 +148,17 @@ for part in "$@"; do case $part in
       timeout 15 python3 bench/trace_summary.py "$trace" --top 6 --gap-ms 2 > "${trace%.json.gz}.summary.txt" 2>&1
       head -14 "${trace%.json.gz}.summary.txt" | cut -c1-200
     done ;;
+  ep4e)  # issue 15's goal rows in one call, eager and compiled: the 1-GPU fsdp figure, then fsdp and ep-whole on 4
+         # GPUs; compiled rows with --kernels loss (eager norms/SwiGLU/RoPE/permutation for Inductor to fuse: the Triton
+         # kernels are opaque custom ops to it). At most 90 + 110 + 110 + 160 s, about 8 minutes; usually 5.
+    E=bench/expert_parallel.py
+    run 0 90 ep.log $E --modes fsdp --steps 8 --warmup 3 --profile-steps 2 --budget-seconds 75
+    run 0 110 ep.log $E --modes fsdp --compile-layers --kernels loss --steps 8 --warmup 4 --profile-steps 2 \
+      --budget-seconds 95
+    run 0,1,2,3 110 ep.log $E --modes fsdp ep --dense-layouts whole --steps 8 --warmup 3 --profile-steps 2 \
+      --budget-seconds 95
+    run 0,1,2,3 160 ep.log $E --modes fsdp ep --dense-layouts whole --compile-layers --kernels loss --steps 8 \
+      --warmup 4 --profile-steps 2 --budget-seconds 145 ;;
   ep4dtests)  # compiled decoder layers under EP on NCCL against the same run eager, no recompilation after step 1
     timeout 240 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -m gpu \
       tests/models/test_gpu_expert_parallel_compiled.py 2>&1 | tee "$out/ep4d-tests.log" | tail -40 | cut -c1-300 ;;

@@ -118,6 +118,34 @@ def test_load_counts_accumulate_until_reset_and_skip_recomputation():
     assert "tokens_per_expert" not in layer.state_dict()
 
 
+def test_compiled_layer_counts_real_forwards_without_a_graph_break():
+    """Compiled (aot_eager: the same graphs as Inductor without code generation, fast on CPU) with activation
+    checkpointing, the load counts and the auxiliary-loss sum match eager exactly (integers, and the same float ops
+    on the same values): the recomputation inside backward counts nothing. The recomputation test used to be a graph
+    break per MoE layer; only the eager grouped-matmul loop (compiler-disabled by design) may break the graph now."""
+    from torch._dynamo.utils import counters
+
+    x = torch.randn(2, 7, 16, generator=torch.Generator().manual_seed(5), requires_grad=True)
+    results = []
+    for compiled in (False, True):
+        layer = _moe(load_balancing_coef=0.1, z_loss_coef=0.01)
+        set_activation_checkpointing(layer)
+        torch._dynamo.reset()
+        counters.clear()
+        run = torch.compile(layer, backend="aot_eager") if compiled else layer
+        for _ in range(2):
+            run_layer(run, x).square().sum().backward()
+        results.append((layer.tokens_per_expert.clone(), layer.take_weighted_aux_loss()))
+        if compiled:
+            assert counters["stats"]["unique_graphs"] > 0  # it did compile
+            reasons = list(counters["graph_break"])
+            assert all("EagerGroupedMm" in reason for reason in reasons), reasons
+    (eager_load, eager_aux), (compiled_load, compiled_aux) = results
+    assert eager_load.sum().item() == 2 * 14 * 2
+    assert torch.equal(compiled_load, eager_load)
+    torch.testing.assert_close(compiled_aux, eager_aux, rtol=0, atol=0)
+
+
 def test_aux_losses_reach_the_router_gradient_as_if_added_to_the_loss():
     x = torch.randn(2, 7, 16, generator=torch.Generator().manual_seed(3))
     with_aux = _moe(load_balancing_coef=0.1, z_loss_coef=0.01)

@@ -13,14 +13,10 @@ from d9d.kernels.grouped_mm import GroupedMm
 from d9d.models.blocks.ffn import SwiGLU
 from d9d.models.blocks.moe.capacity import drop_over_capacity
 from d9d.models.blocks.moe.experts import GroupedSwiGLU
+from d9d.models.blocks.moe.forward_only import forward_pass_weight, in_backward, record_expert_load
 from d9d.models.blocks.moe.losses import attach_aux_loss, load_balancing_loss, router_z_loss
 from d9d.models.blocks.moe.permute import permute_tokens, unpermute_tokens
 from d9d.models.blocks.moe.router import RouterScoring, TopKRouter
-
-
-def _in_backward() -> bool:
-    """True while autograd runs a backward pass: an activation-checkpoint recomputation, not a real forward."""
-    return bool(torch._C._current_graph_task_id() != -1)
 
 
 class MoELayer(nn.Module):
@@ -142,19 +138,13 @@ class MoELayer(nn.Module):
         expert_rows = self.experts(dispatched.rows, dispatched.group_sizes)
         with record_function("moe.combine"):
             out = self.dispatcher.combine(expert_rows, dispatched)
-        self._record_load(routed)  # here rather than in forward: its recomputation check would break the graph again
+        self._record_load(routed)
         return out
 
     def _record_load(self, routed: torch.Tensor) -> None:
         """Add the routed copies per expert to `tokens_per_expert`, unless this is an activation-checkpoint
-        recomputation (not another forward)."""
-        if _in_backward():
-            return
-        with torch.no_grad():
-            loads = routed.float()
-            if self.token_shard_group is not None:
-                dist.all_reduce(loads, group=self.token_shard_group)
-            self.tokens_per_expert.add_(loads)
+        recomputation (not another forward); traceable (`forward_only`)."""
+        record_expert_load(self.tokens_per_expert, routed, self.token_shard_group)
 
     def _add_aux_losses(
         self, out: torch.Tensor, scores: torch.Tensor, logits: torch.Tensor, group_sizes: torch.Tensor
@@ -174,8 +164,13 @@ class MoELayer(nn.Module):
         assert isinstance(total, torch.Tensor)
         if not torch.is_grad_enabled():
             return out
-        if not _in_backward():  # a recomputation (activation checkpointing) is not another forward
-            done = total.detach()
+        # A recomputation (activation checkpointing) is not another forward; compiled code decides when it runs.
+        done: torch.Tensor | None = total.detach()
+        if torch.compiler.is_compiling():
+            done = total.detach() * forward_pass_weight(total.detach())
+        elif in_backward():
+            done = None
+        if done is not None:
             self._weighted_aux_sum = done if self._weighted_aux_sum is None else self._weighted_aux_sum + done
         return attach_aux_loss(out, total)
 

@@ -1,0 +1,70 @@
+"""Bookkeeping that counts real forwards only: the expert load and the sum of the weighted auxiliary losses.
+
+An activation-checkpoint recomputation runs a layer's forward again inside backward, and must not count its routing
+a second time. The test (`torch._C._current_graph_task_id() != -1`: autograd is running a backward) returns a Python
+bool, which Dynamo cannot trace: inline in a compiled decoder layer it cost a graph break per MoE layer (on one H200
+the compiled MoE anchor ran at 0.87x eager with it; docs/benchmarks.md, "Session 10"). Under compilation the test
+therefore runs inside two custom ops, which Dynamo keeps opaque and which decide when the graph runs:
+`record_expert_load` (adds the loads to the count in place) and `forward_pass_weight` (1 in a real forward, 0 in a
+recomputation). Eager calls run the bodies directly, without the dispatcher.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+
+def in_backward() -> bool:
+    """True while autograd runs a backward pass: an activation-checkpoint recomputation, not a real forward."""
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+def _add_load(tokens_per_expert: torch.Tensor, routed: torch.Tensor, group_name: str | None) -> None:
+    if in_backward():
+        return
+    loads = routed.float()
+    if group_name is not None:
+        # A custom op takes no process group, only its registered name (how torch's functional collectives pass it).
+        dist.all_reduce(loads, group=_resolve_process_group(group_name))
+    tokens_per_expert.add_(loads)
+
+
+@torch.library.custom_op("d9d_models::record_expert_load", mutates_args=("tokens_per_expert",))
+def _record_expert_load_op(tokens_per_expert: torch.Tensor, routed: torch.Tensor, group_name: str | None) -> None:
+    with torch.no_grad():
+        _add_load(tokens_per_expert, routed, group_name)
+
+
+@_record_expert_load_op.register_fake
+def _(tokens_per_expert: torch.Tensor, routed: torch.Tensor, group_name: str | None) -> None:
+    return None
+
+
+def record_expert_load(
+    tokens_per_expert: torch.Tensor, routed: torch.Tensor, group: dist.ProcessGroup | None = None
+) -> None:
+    """`tokens_per_expert += routed` (summed over `group` first, if given), unless this is a recomputation."""
+    group_name = None if group is None else group.group_name
+    if torch.compiler.is_compiling():
+        _record_expert_load_op(tokens_per_expert, routed, group_name)
+        return
+    with torch.no_grad():
+        _add_load(tokens_per_expert, routed, group_name)
+
+
+@torch.library.custom_op("d9d_models::forward_pass_weight", mutates_args=())
+def _forward_pass_weight_op(like: torch.Tensor) -> torch.Tensor:
+    return torch.full((), 0.0 if in_backward() else 1.0, dtype=like.dtype, device=like.device)
+
+
+@_forward_pass_weight_op.register_fake
+def _(like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty(())
+
+
+def forward_pass_weight(like: torch.Tensor) -> torch.Tensor:
+    """1 in a real forward, 0 in a recomputation, as a 0-dim tensor of `like`'s dtype and device: for compiled code,
+    where the test must run when the graph does (eager code calls `in_backward()`)."""
+    return _forward_pass_weight_op(like)
