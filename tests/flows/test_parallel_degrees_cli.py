@@ -100,21 +100,28 @@ def test_moe_pretrain_with_expert_parallelism_matches_data_parallel_only(workdir
     _assert_same_curve(losses, baseline)
 
 
-def test_finetune_with_tensor_parallelism_matches_data_parallel_only(workdir, dense_baseline):
-    base = [f"pretrain.output={workdir / 'pretrain-dp4'}", "finetune.nproc_per_node=4"]
-    baseline = _run(workdir, "finetune", "finetune-dp4", *base)
-    losses = _run(workdir, "finetune", "finetune-tp2", *base, "finetune.degrees.tp=2")
+def _finetune_base(workdir) -> list[str]:
+    return [f"pretrain.output={workdir / 'pretrain-dp4'}", "finetune.nproc_per_node=4"]
+
+
+@pytest.fixture(scope="module")
+def finetune_baseline(workdir, dense_baseline):
+    """The data-parallel-only fine-tune (dp_shard=4) of the dp4 pretrain, run once: the tp2 and pp2 fine-tunes
+    compare with the same run (it was trained twice, identically, into the same output: one 4-rank launch less)."""
+    return _run(workdir, "finetune", "finetune-dp4", *_finetune_base(workdir))
+
+
+def test_finetune_with_tensor_parallelism_matches_data_parallel_only(workdir, finetune_baseline):
+    losses = _run(workdir, "finetune", "finetune-tp2", *_finetune_base(workdir), "finetune.degrees.tp=2")
     _ran_with(workdir, "finetune-tp2", "finetune", "pp=1, dp_replicate=1, dp_shard=2, cp=1, tp=2, ep=1")
-    _assert_same_curve(losses, baseline)
+    _assert_same_curve(losses, finetune_baseline)
 
 
-def test_pipelined_finetune_matches_data_parallel_only(workdir, dense_baseline):
+def test_pipelined_finetune_matches_data_parallel_only(workdir, finetune_baseline):
     """pp=2 x dp_shard=2 (1F1B): LoRA per stage, its exports gathered from both stages into the committed output."""
-    base = [f"pretrain.output={workdir / 'pretrain-dp4'}", "finetune.nproc_per_node=4"]
-    baseline = _run(workdir, "finetune", "finetune-dp4", *base)
-    losses = _run(workdir, "finetune", "finetune-pp2", *base, "finetune.degrees.pp=2")
+    losses = _run(workdir, "finetune", "finetune-pp2", *_finetune_base(workdir), "finetune.degrees.pp=2")
     _ran_with(workdir, "finetune-pp2", "finetune", "pp=2, dp_replicate=1, dp_shard=2, cp=1, tp=1, ep=1, pipeline")
-    _assert_same_curve(losses, baseline)
+    _assert_same_curve(losses, finetune_baseline)
     for part in ("adapter", "merged"):  # every stage's tensors, whole (the writers' file count differs: 2 and 4)
         metas = {
             name: meta.shape for name, meta in CheckpointSource.open(workdir / "finetune-pp2" / part).metas().items()
