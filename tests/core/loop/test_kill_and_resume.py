@@ -7,15 +7,19 @@ and reproduce steps 11-20 bit for bit. The step-10 checkpoint resumed on 1 rank 
 data-parallel size sums in another order). A separate run gets SIGTERM on every rank at step 7: it finishes
 the step, writes a complete checkpoint of step 7 and exits 0. A 4-rank checkpoint resumes on 2 ranks (the
 accumulation doubles, the global batch stays) within 1e-5 of the 4-rank run; on 3 ranks it fails, saying why.
+Launches that do not depend on each other run side by side (see `_start`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,19 +27,61 @@ import pytest
 from d9d.core.checkpoint import is_complete, latest_complete
 
 PROGRAM = Path(__file__).with_name("rank_program.py")
+_STARTED: list[subprocess.Popen[bytes]] = []
 
 
-def _launch(out: Path, nproc: int, *faults: str) -> int:
+@pytest.fixture(autouse=True)
+def _no_launch_outlives_its_test() -> Iterator[None]:
+    """A test that fails while a launch of its own still runs kills it with its ranks (its process group)."""
+    yield
+    while _STARTED:
+        _kill(_STARTED.pop())
+
+
+def _kill(launch: subprocess.Popen[bytes]) -> None:
+    if launch.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launch.pid, signal.SIGKILL)
+        launch.wait(timeout=60)
+
+
+def _start(out: Path, nproc: int, *faults: str) -> subprocess.Popen[bytes]:
+    """A `torchrun` launch of `nproc` ranks writing into `out`, its output appended to `out/launch.log`."""
     command = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
         "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", "--max-restarts=0",
         str(PROGRAM), "--out", str(out), *faults,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240, check=False)
-    (out / "launch.log").parent.mkdir(parents=True, exist_ok=True)
-    (out / "launch.log").open("a").write(completed.stdout + completed.stderr)
-    return completed.returncode
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "launch.log").open("ab") as log:  # the child holds its own copy of the descriptor
+        # Its own process group, so that a launch left behind is killed with its ranks (`_kill`).
+        launch = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    _STARTED.append(launch)
+    return launch
+
+
+def _wait(*launches: subprocess.Popen[bytes]) -> list[int]:
+    """The exit codes of `launches`; one that runs past 240 s is killed and fails the test."""
+    codes = []
+    for launch in launches:
+        try:
+            codes.append(launch.wait(timeout=240))
+        except subprocess.TimeoutExpired:
+            for other in launches:
+                _kill(other)
+            raise
+    return codes
+
+
+def _launch(out: Path, nproc: int, *faults: str) -> int:
+    (code,) = _wait(_start(out, nproc, *faults))
+    return code
+
+
+# Independent launches (their own output directories, faults triggered by training events, not by timing) run at
+# the same time: most of a launch is torchrun importing torch, then each rank importing torch, d9d and DTensor, much
+# of it on one core of two, so two launches side by side take far less than one after the other.
 
 
 def _losses(out: Path) -> dict[int, float]:
@@ -48,16 +94,18 @@ def _losses(out: Path) -> dict[int, float]:
 @pytest.mark.slow
 def test_sigkill_mid_step_and_mid_checkpoint_then_resume_is_bitwise_exact(tmp_path):
     reference_dir, run_dir, other_size_dir = tmp_path / "reference", tmp_path / "run", tmp_path / "one-rank"
-    assert _launch(reference_dir, 2) == 0
+    reference_code, killed_code = _wait(_start(reference_dir, 2), _start(run_dir, 2, "--kill-at", "13"))
+    assert reference_code == 0
     reference = _losses(reference_dir)
     assert sorted(reference) == list(range(1, 21))
 
-    assert _launch(run_dir, 2, "--kill-at", "13") != 0
+    assert killed_code != 0
     checkpoints = run_dir / "checkpoints"
     assert latest_complete(checkpoints) == checkpoints / "step-00000010"
     assert max(_losses(run_dir)) == 12  # step 13 never finished
 
     shutil.copytree(checkpoints / "step-00000010", other_size_dir / "checkpoints" / "step-00000010")
+    on_one_rank_launch = _start(other_size_dir, 1)  # checked at the end
 
     assert _launch(run_dir, 2, "--kill-in-checkpoint", "15", "--fault-ranks", "1") != 0
     assert (checkpoints / "step-00000015").is_dir() and not is_complete(checkpoints / "step-00000015")
@@ -72,7 +120,7 @@ def test_sigkill_mid_step_and_mid_checkpoint_then_resume_is_bitwise_exact(tmp_pa
     assert is_complete(checkpoints / "step-00000020")
     assert sorted(path.name for path in checkpoints.iterdir()) == ["step-00000015", "step-00000020"]
 
-    assert _launch(other_size_dir, 1) == 0
+    assert _wait(on_one_rank_launch) == [0]
     on_one_rank = _losses(other_size_dir)
     worst = max(abs(on_one_rank[step] - reference[step]) for step in range(11, 21))
     assert worst <= 1e-5, worst
@@ -100,7 +148,8 @@ def test_four_rank_checkpoint_resumes_on_two_ranks_with_the_same_global_batch(tm
     shutil.copytree(checkpoint, two_dir / "checkpoints" / "step-00000010")
     shutil.copytree(checkpoint, three_dir / "checkpoints" / "step-00000010")
 
-    assert _launch(two_dir, 2) == 0
+    two_code, three_code = _wait(_start(two_dir, 2), _start(three_dir, 3))
+    assert two_code == 0
     result = json.loads((two_dir / "result.json").read_text())
     assert result["resumed_from"].endswith("step-00000010")
     on_two = _losses(two_dir)
@@ -108,6 +157,6 @@ def test_four_rank_checkpoint_resumes_on_two_ranks_with_the_same_global_batch(tm
     worst = max(abs(on_two[step] - reference[step]) for step in range(11, 21))
     assert worst <= 1e-5, worst
 
-    assert _launch(three_dir, 3) != 0
+    assert three_code != 0
     log = (three_dir / "launch.log").read_text()
     assert "global_batch_rows=4 cannot be split into micro-batches of 1 rows over 3 data-parallel ranks" in log
