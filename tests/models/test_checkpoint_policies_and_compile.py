@@ -104,7 +104,8 @@ def test_compiled_checkpointed_layers_on_the_eager_attention_backend(family, pol
     hf = hf_dense() if family == "dense" else hf_moe()
     ids, labels = _batch()
     documents = torch.tensor([[0] * 4 + [1] * 5, [0] * 9]) if packed else None
-    want_losses, want_grads = _step_with_documents(d9d_from_hf(hf)[0], ids, labels, documents)
+    eager = d9d_from_hf(hf)[0]
+    want_losses, want_grads = _step_with_documents(eager, ids, labels, documents)
     config = EAGER.model_copy(
         update={
             "activation_checkpointing": True,
@@ -113,7 +114,15 @@ def test_compiled_checkpointed_layers_on_the_eager_attention_backend(family, pol
             "compile_backend": "aot_eager",
         }
     )
-    got_losses, got_grads = _step_with_documents(d9d_from_hf(hf, config=config)[0], ids, labels, documents)
+    compiled = d9d_from_hf(hf, config=config)[0]
+    got_losses, got_grads = _step_with_documents(compiled, ids, labels, documents)
+    # The expert load counts the forward once, not the recomputation in backward (exact: integer counts).
+    loads = {name: buffer for name, buffer in compiled.named_buffers() if name.endswith("tokens_per_expert")}
+    assert len(loads) == (2 if family == "moe" else 0)
+    for name, want in eager.named_buffers():
+        if name in loads:
+            assert want.sum() == 2 * ids.numel()  # top-2 routing: every token counted twice, once
+            torch.testing.assert_close(loads[name], want, atol=0, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
     # float32 on CPU; aot_eager runs the eager aten ops, but AOT autograd's decompositions may sum in another order:
     # float32 rounding (~1e-7 relative) on losses, a few ulps accumulated over 3 layers' backward on gradients
     # (measured: bit-identical with torch 2.13).
