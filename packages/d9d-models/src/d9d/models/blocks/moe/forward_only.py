@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _resolve_process_group
+
+# A custom op takes no process group, only a name: the groups handed to `record_expert_load`, by name (filled when
+# the Python code runs, eagerly or while Dynamo traces; read when the op runs). Groups live as long as the job.
+_groups_by_name: dict[str, dist.ProcessGroup] = {}
 
 
 def in_backward() -> bool:
@@ -25,8 +28,7 @@ def _summed_loads(routed: torch.Tensor, group_name: str | None) -> torch.Tensor:
     """`routed` as a new float32 tensor, summed over the group if one is named."""
     loads = routed.to(torch.float32, copy=True)  # a copy: the all-reduce is in place, and an op's output is no alias
     if group_name is not None:
-        # A custom op takes no process group, only its registered name (how torch's functional collectives pass it).
-        dist.all_reduce(loads, group=_resolve_process_group(group_name))
+        dist.all_reduce(loads, group=_groups_by_name[group_name])
     return loads
 
 
@@ -55,7 +57,10 @@ def record_expert_load(
     tokens_per_expert: torch.Tensor, routed: torch.Tensor, group: dist.ProcessGroup | None = None
 ) -> None:
     """`tokens_per_expert += routed` (summed over `group` first, if given), unless this is a recomputation."""
-    group_name = None if group is None else group.group_name
+    group_name = None
+    if group is not None:
+        group_name = group.group_name
+        _groups_by_name[group_name] = group
     if torch.compiler.is_compiling():
         increment = _expert_load_increment_op(routed, group_name)
         with torch.no_grad():
@@ -78,4 +83,5 @@ def _(like: torch.Tensor) -> torch.Tensor:
 def forward_pass_weight(like: torch.Tensor) -> torch.Tensor:
     """1 in a real forward, 0 in a recomputation, as a 0-dim tensor of `like`'s dtype and device: for compiled code,
     where the test must run when the graph does (eager code calls `in_backward()`)."""
-    return _forward_pass_weight_op(like)
+    weight: torch.Tensor = _forward_pass_weight_op(like)
+    return weight
