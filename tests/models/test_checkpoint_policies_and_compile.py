@@ -97,10 +97,11 @@ def _step_with_documents(model, ids, labels, document_ids):
         ("moe", "selective", False),
     ],
 )
-def test_compiled_checkpointed_layers_on_the_eager_attention_backend(family, policy, packed):
-    # The eager backend reads the attention mask's dense form inside every compiled layer. Its per-mask cache used to
-    # be traced: the first layer's graph built the mask, the others read it from the cache, and the recomputation of
-    # the first layer in backward (cache full by then) ran the other graph, which checkpoint's check rejected.
+def test_compiled_checkpointed_layers_match_the_eager_model(family, policy, packed):
+    # On the eager attention backend, which reads the mask's dense form inside every compiled layer. The mask's cache
+    # used to be traced: the first layer's graph built the mask, the others read it from the cache, and the
+    # recomputation of the first layer in backward (cache full by then) ran the other graph, whose saved tensors
+    # differ, which checkpoint's check rejected. MoE under `selective` also exercises the compiled load count.
     hf = hf_dense() if family == "dense" else hf_moe()
     ids, labels = _batch()
     documents = torch.tensor([[0] * 4 + [1] * 5, [0] * 9]) if packed else None
