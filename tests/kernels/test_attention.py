@@ -97,3 +97,37 @@ def test_flex_attention_block_mask_matches_eager_forward_on_cpu(documents, kv_he
     out = FlexAttention()(q, k, v, mask=mask, scale=0.25)
     torch.testing.assert_close(out, EAGER(q, k, v, mask=mask, scale=0.25), atol=1e-5, rtol=1e-5)
     assert any(key.startswith("derived:flex:") for key in mask._cache)  # built once, shared by every layer
+
+
+_BUILDS: list[int] = []
+
+
+def _doubled_documents(mask):
+    _BUILDS.append(1)  # only ever called eagerly (traced code would guard on the list)
+    return mask.document_ids * 2
+
+
+def test_compiled_code_reads_the_same_graph_whether_the_mask_cache_is_empty_or_full():
+    # What activation checkpointing needs of a compiled layer: its recomputation (the mask's cache full by then) runs
+    # the graph its forward ran (cache empty for the first layer). The cache used to be traced, its keys guards.
+    builds = _BUILDS
+
+    def layer(x, mask):
+        documents = mask.derived("doubled", lambda: _doubled_documents(mask))
+        offsets, longest = mask.varlen_offsets()
+        allowed = mask.dense(x.shape[1], x.device)
+        return x.sum() + documents.sum() + offsets.sum() + longest + allowed.sum()
+
+    compiled = torch.compile(layer, backend="aot_eager")
+    ids = torch.tensor([[0, 0, 1, 1, 1], [0, 0, 0, 0, 0]])
+    x = torch.randn(2, 5)
+    want = layer(x, AttentionMask(document_ids=ids))
+    builds.clear()
+    torch._dynamo.reset()
+    mask = AttentionMask(document_ids=ids)
+    torch.testing.assert_close(compiled(x, mask), want, atol=0, rtol=0)  # the same ops, eager or traced
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(2):
+            torch.testing.assert_close(compiled(x, mask), want, atol=0, rtol=0)
+        torch.testing.assert_close(compiled(x, AttentionMask(document_ids=ids)), want, atol=0, rtol=0)
+    assert len(builds) == 2  # the eager forms stay cached: once per mask, however many layers read them

@@ -59,6 +59,15 @@ from d9d.pipeline import ActivationSpec, PipelineStage, pipeline_group
 PackedBatch = Mapping[str, torch.Tensor]
 
 
+def _on(device: torch.device, tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` on `device` without waiting for the device: a blocking host-to-device copy synchronizes the stream,
+    so every micro-batch (and every pipeline forward) would wait for all the work queued before it, and the host
+    could never run ahead of the GPU. Non-blocking is safe from any host memory: from pageable memory CUDA stages the
+    source before the call returns; from pinned memory (`DataLoaderConfig.pin_memory`) torch's caching host allocator
+    keeps the buffer until the copy has run."""
+    return tensor.to(device, non_blocking=True)
+
+
 class PackedCausalLMTask:
     """Packed rows (`collate_packed`): documents attend within themselves; loss summed over counted tokens.
 
@@ -78,10 +87,10 @@ class PackedCausalLMTask:
     def compute_loss(self, model: nn.Module, batch: PackedBatch) -> LossResult:
         device = compute_device(model)  # not the parameters' device: CPU-offloaded FSDP units compute on the GPU
         output = model(
-            batch["input_ids"].to(device),
-            position_ids=batch["position_ids"].to(device),
-            document_ids=batch["document_ids"].to(device),
-            labels=batch["labels"].to(device),
+            _on(device, batch["input_ids"]),
+            position_ids=_on(device, batch["position_ids"]),
+            document_ids=_on(device, batch["document_ids"]),
+            labels=_on(device, batch["labels"]),
         )
         return LossResult(loss_sum=output.loss_sum)
 
@@ -90,11 +99,11 @@ class PackedCausalLMTask:
     ) -> torch.Tensor | LossResult:
         device = compute_device(module)
         output = module(
-            batch["input_ids"].to(device) if stage.is_first else None,
+            _on(device, batch["input_ids"]) if stage.is_first else None,
             hidden_states=hidden,
-            position_ids=batch["position_ids"].to(device),
-            document_ids=batch["document_ids"].to(device),
-            labels=batch["labels"].to(device) if stage.is_last else None,
+            position_ids=_on(device, batch["position_ids"]),
+            document_ids=_on(device, batch["document_ids"]),
+            labels=_on(device, batch["labels"]) if stage.is_last else None,
         )
         if stage.is_last:
             return LossResult(loss_sum=output.loss_sum)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch
 
@@ -19,6 +19,14 @@ class AttentionMask:
     `causal`, not after itself). Documents must be contiguous runs in a row. `None` means one document per row.
     Built once per forward pass and shared by every layer; derived forms (a dense boolean mask, varlen offsets)
     are computed on first use and cached here.
+
+    The cache is eager-only state. Inside a `torch.compile`d layer Dynamo would guard on the cache's keys: the
+    first layer of a forward would trace the build (and the insertion), every later layer another graph reading the
+    cached value, and an activation-checkpoint recomputation of the first layer (cache full by then) would run the
+    second graph, whose saved tensors differ, which `torch.utils.checkpoint` rejects. So compiled code never sees
+    the cache: `dense` builds the mask in the graph (a pure function of `causal` and `document_ids`, which Inductor
+    fuses into the masked softmax), and `varlen_offsets` / `derived`, whose builds sync or communicate, run as one
+    eager call (a graph break, the same graph for every layer and every recomputation).
     """
 
     causal: bool = True
@@ -33,6 +41,8 @@ class AttentionMask:
     def derived(self, key: str, build: Callable[[], T]) -> T:
         """`build()` once per mask, cached under `key`: forms of the mask every layer shares (e.g. the document ids
         of a whole context-parallel sequence, gathered once per forward pass instead of once per layer)."""
+        if torch.compiler.is_compiling():
+            return cast(T, _eager_derived(self, key, build))
         cache_key = f"derived:{key}"
         if cache_key not in self._cache:
             self._cache[cache_key] = build()
@@ -42,8 +52,11 @@ class AttentionMask:
     def dense(self, seq_len: int, device: torch.device) -> torch.Tensor | None:
         """A boolean mask broadcastable to `(batch, heads, seq, seq)`, `True` where attention is allowed.
 
-        `None` when nothing is masked (no documents, not causal).
+        `None` when nothing is masked (no documents, not causal). Under `torch.compile` built in the graph, uncached
+        (see the class docstring).
         """
+        if torch.compiler.is_compiling():
+            return self._build_dense(seq_len, device)
         key = f"dense:{seq_len}:{device}"
         if key not in self._cache:
             self._cache[key] = self._build_dense(seq_len, device)
@@ -70,6 +83,8 @@ class AttentionMask:
 
         This is the `cu_seqlens` / `max_seqlen` pair of variable-length attention kernels.
         """
+        if torch.compiler.is_compiling():
+            return _eager_varlen_offsets(self)
         if "varlen" not in self._cache:
             self._cache["varlen"] = self._build_varlen()
         cached = self._cache["varlen"]
@@ -88,3 +103,12 @@ class AttentionMask:
         offsets = torch.cat([positions, total]).to(torch.int32)
         longest = int((offsets[1:] - offsets[:-1]).max().item())
         return offsets, longest
+
+
+# The cached lookups compiled code calls eagerly (see `AttentionMask`): Dynamo neither traces nor guards on the cache.
+_eager_derived: Callable[[AttentionMask, str, Callable[[], object]], object] = torch.compiler.disable(  # type: ignore[no-untyped-call]  # untyped in torch
+    AttentionMask.derived
+)
+_eager_varlen_offsets: Callable[[AttentionMask], tuple[torch.Tensor, int]] = torch.compiler.disable(  # type: ignore[no-untyped-call]  # untyped in torch
+    AttentionMask.varlen_offsets
+)

@@ -5,15 +5,18 @@ a second time. The test (`torch._C._current_graph_task_id() != -1`: autograd is 
 bool, which Dynamo cannot trace: inline in a compiled decoder layer it cost a graph break per MoE layer (on one H200
 the compiled MoE anchor ran at 0.87x eager with it; docs/benchmarks.md, "Session 10"). Under compilation the test
 therefore runs inside two custom ops, which Dynamo keeps opaque and which decide when the graph runs:
-`record_expert_load` (adds the loads to the count in place) and `forward_pass_weight` (1 in a real forward, 0 in a
-recomputation). Eager calls run the bodies directly, without the dispatcher.
+`expert_load_increment` (the loads to add to the count, zeros in a recomputation) and `forward_pass_weight` (1 in a
+real forward, 0 in a recomputation). Eager calls run the bodies directly, without the dispatcher.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _resolve_process_group
+
+# A custom op takes no process group, only a name: the groups handed to `record_expert_load`, by name (filled when
+# the Python code runs, eagerly or while Dynamo traces; read when the op runs). Groups live as long as the job.
+_groups_by_name: dict[str, dist.ProcessGroup] = {}
 
 
 def in_backward() -> bool:
@@ -21,34 +24,47 @@ def in_backward() -> bool:
     return bool(torch._C._current_graph_task_id() != -1)
 
 
-def _add_load(tokens_per_expert: torch.Tensor, routed: torch.Tensor, group_name: str | None) -> None:
-    if in_backward():
-        return
-    loads = routed.float()
+def _summed_loads(routed: torch.Tensor, group_name: str | None) -> torch.Tensor:
+    """`routed` as a new float32 tensor, summed over the group if one is named."""
+    loads = routed.to(torch.float32, copy=True)  # a copy: the all-reduce is in place, and an op's output is no alias
     if group_name is not None:
-        # A custom op takes no process group, only its registered name (how torch's functional collectives pass it).
-        dist.all_reduce(loads, group=_resolve_process_group(group_name))
-    tokens_per_expert.add_(loads)
+        dist.all_reduce(loads, group=_groups_by_name[group_name])
+    return loads
 
 
-@torch.library.custom_op("d9d_models::record_expert_load", mutates_args=("tokens_per_expert",))
-def _record_expert_load_op(tokens_per_expert: torch.Tensor, routed: torch.Tensor, group_name: str | None) -> None:
+def _add_load(tokens_per_expert: torch.Tensor, routed: torch.Tensor, group_name: str | None) -> None:
+    if not in_backward():
+        tokens_per_expert.add_(_summed_loads(routed, group_name))
+
+
+# Functional (no `mutates_args`): the addition to the count is traced as an ordinary in-place add on the buffer. A
+# mutating custom op becomes an `auto_functionalized` higher-order op in the graph, which selective checkpointing's
+# dispatch mode cannot run (aot_eager) and so failed every compiled MoE layer under the `selective` policy.
+@torch.library.custom_op("d9d_models::expert_load_increment", mutates_args=())
+def _expert_load_increment_op(routed: torch.Tensor, group_name: str | None) -> torch.Tensor:
     with torch.no_grad():
-        _add_load(tokens_per_expert, routed, group_name)
+        if in_backward():
+            return torch.zeros(routed.shape, dtype=torch.float32, device=routed.device)
+        return _summed_loads(routed, group_name)
 
 
-@_record_expert_load_op.register_fake
-def _(tokens_per_expert: torch.Tensor, routed: torch.Tensor, group_name: str | None) -> None:
-    return None
+@_expert_load_increment_op.register_fake
+def _(routed: torch.Tensor, group_name: str | None) -> torch.Tensor:
+    return torch.empty(routed.shape, dtype=torch.float32, device=routed.device)
 
 
 def record_expert_load(
     tokens_per_expert: torch.Tensor, routed: torch.Tensor, group: dist.ProcessGroup | None = None
 ) -> None:
     """`tokens_per_expert += routed` (summed over `group` first, if given), unless this is a recomputation."""
-    group_name = None if group is None else group.group_name
+    group_name = None
+    if group is not None:
+        group_name = group.group_name
+        _groups_by_name[group_name] = group
     if torch.compiler.is_compiling():
-        _record_expert_load_op(tokens_per_expert, routed, group_name)
+        increment = _expert_load_increment_op(routed, group_name)
+        with torch.no_grad():
+            tokens_per_expert.add_(increment)
         return
     with torch.no_grad():
         _add_load(tokens_per_expert, routed, group_name)
@@ -67,4 +83,5 @@ def _(like: torch.Tensor) -> torch.Tensor:
 def forward_pass_weight(like: torch.Tensor) -> torch.Tensor:
     """1 in a real forward, 0 in a recomputation, as a 0-dim tensor of `like`'s dtype and device: for compiled code,
     where the test must run when the graph does (eager code calls `in_backward()`)."""
-    return _forward_pass_weight_op(like)
+    weight: torch.Tensor = _forward_pass_weight_op(like)
+    return weight
