@@ -4,9 +4,10 @@ An activation-checkpoint recomputation runs a layer's forward again inside backw
 a second time. The test (`torch._C._current_graph_task_id() != -1`: autograd is running a backward) returns a Python
 bool, which Dynamo cannot trace: inline in a compiled decoder layer it cost a graph break per MoE layer (seen in
 docs/benchmarks.md, "Session 10", where the compiled 1-GPU MoE anchor ran at 0.87x eager with it and the Triton
-kernels). Under compilation the test therefore runs inside two custom ops, which Dynamo keeps opaque and which decide when the graph runs:
-`expert_load_increment` (the loads to add to the count, zeros in a recomputation) and `forward_pass_weight` (1 in a
-real forward, 0 in a recomputation). Eager calls run the bodies directly, without the dispatcher.
+kernels). Under compilation the test therefore runs inside two custom ops, which Dynamo keeps opaque and which
+decide when the graph runs: `expert_load_increment` (the loads to add to the count, zeros in a recomputation) and
+`forward_pass_weight` (1 in a real forward, 0 in a recomputation). Eager calls run the bodies directly, without the
+dispatcher.
 """
 
 from __future__ import annotations
