@@ -165,13 +165,12 @@ class MoELayer(nn.Module):
         if not torch.is_grad_enabled():
             return out
         # A recomputation (activation checkpointing) is not another forward; compiled code decides when it runs.
-        done: torch.Tensor | None = total.detach()
+        done = total.detach()
         if torch.compiler.is_compiling():
-            done = total.detach() * forward_pass_weight(total.detach())
+            done = done * forward_pass_weight(done)
         elif in_backward():
-            done = None
-        if done is not None:
-            self._weighted_aux_sum = done if self._weighted_aux_sum is None else self._weighted_aux_sum + done
+            return attach_aux_loss(out, total)
+        self._weighted_aux_sum = done if self._weighted_aux_sum is None else self._weighted_aux_sum + done
         return attach_aux_loss(out, total)
 
     def take_weighted_aux_loss(self) -> torch.Tensor | None:
