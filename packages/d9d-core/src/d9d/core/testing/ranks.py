@@ -34,6 +34,7 @@ DEFAULT_TIMEOUT_SECONDS = 60.0
 # fail on their own before they are killed, so a genuine second error is still reported.
 _PEER_GRACE_SECONDS = 1.0
 _POLL_SECONDS = 0.005
+_STACK_WAIT_SECONDS = 5.0
 
 
 class RankFailure(AssertionError):
@@ -228,11 +229,11 @@ def _collect(pids: dict[int, int], workdir: Path, timeout_seconds: float) -> lis
         if len(exit_codes) == len(pids):
             break
         if first_failure_at is not None and now - first_failure_at > _PEER_GRACE_SECONDS:
-            _dump_and_kill(pids, exit_codes)
+            _dump_and_kill(pids, exit_codes, workdir)
             break
         if now > deadline:
             timed_out = True
-            _dump_and_kill(pids, exit_codes)
+            _dump_and_kill(pids, exit_codes, workdir)
             break
         time.sleep(_POLL_SECONDS)
     return _report(pids, exit_codes, workdir, timed_out, timeout_seconds)
@@ -251,17 +252,26 @@ def _failed(workdir: Path, rank: int, exit_code: int) -> bool:
     return exit_code != 0 or _raised(workdir, rank) is not False
 
 
-def _dump_and_kill(pids: dict[int, int], exit_codes: dict[int, int]) -> None:
+def _dump_and_kill(pids: dict[int, int], exit_codes: dict[int, int], workdir: Path) -> None:
     alive = [rank for rank in pids if rank not in exit_codes]
     for rank in alive:
         _signal(pids[rank], signal.SIGUSR1)
-    time.sleep(0.2)  # let faulthandler write each stack
+    # Let faulthandler write each stack. A rank blocked in an uninterruptible driver call (CUDA, NCCL) takes the signal
+    # only when the call returns, so wait up to a few seconds for every stack file rather than a fixed 0.2 s.
+    waiting_until = time.monotonic() + _STACK_WAIT_SECONDS
+    while time.monotonic() < waiting_until and not all(_stack_written(workdir, rank) for rank in alive):
+        time.sleep(0.05)
     for rank in alive:
         _signal(pids[rank], signal.SIGKILL)
     for rank in alive:
         _, status = os.waitpid(pids[rank], 0)
         exit_codes[rank] = -signal.SIGKILL
         del status
+
+
+def _stack_written(workdir: Path, rank: int) -> bool:
+    path = workdir / f"stack-{rank}.txt"
+    return path.exists() and path.stat().st_size > 0
 
 
 def _signal(pid: int, signum: int) -> None:
