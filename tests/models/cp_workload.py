@@ -74,13 +74,13 @@ SCHEDULE = PiecewiseScheduleConfig(
 )
 
 
-def build_tiny(family: str) -> nn.Module:
+def build_tiny(family: str, config: DecoderConfig = EAGER) -> nn.Module:
     """On the meta device. The MoE has a router z-loss, so the auxiliary-loss weighting is part of the parity."""
     with torch.device("meta"):
         if family == "moe":
             params = qwen3_moe_parameters_from_hf(MOE_HF).model_copy(update={"z_loss_coef": 0.05})
-            return Qwen3MoeForCausalLM(params, config=EAGER)
-        return Qwen3DenseForCausalLM(qwen3_dense_parameters_from_hf(DENSE_HF), config=EAGER)
+            return Qwen3MoeForCausalLM(params, config=config)
+        return Qwen3DenseForCausalLM(qwen3_dense_parameters_from_hf(DENSE_HF), config=config)
 
 
 def spread_routers(model: nn.Module, std: float | None) -> None:
@@ -154,9 +154,10 @@ class CpModelProvider:
     prepare: Callable[[nn.Module], object] | None = None  # e.g. LoRA injection, on the meta model
     data_parallel: AnyDataParallelConfig = field(default_factory=FsdpConfig)
     router_std: float | None = None
+    config: DecoderConfig = EAGER
 
     def __call__(self, ctx: DistributedContext, loader: ModelLoader | None) -> BuiltModel:
-        model = build_tiny(self.family)
+        model = build_tiny(self.family, self.config)
         if self.prepare is not None:
             self.prepare(model)
         parallelize = parallelize_qwen3_dense if self.family == "dense" else parallelize_qwen3_moe
@@ -180,6 +181,7 @@ def build_cp_trainer(
     prepare: Callable[[nn.Module], object] | None = None,
     data_parallel: AnyDataParallelConfig | None = None,
     router_std: float | None = None,
+    decoder: DecoderConfig = EAGER,
 ) -> Trainer[Any]:
     config = TrainerConfig(
         total_steps=total_steps,
@@ -197,7 +199,12 @@ def build_cp_trainer(
         ctx,
         config,
         model_provider=CpModelProvider(  # type: ignore[arg-type]
-            family, ContextParallelConfig(attention=attention), prepare, data_parallel or FsdpConfig(), router_std
+            family,
+            ContextParallelConfig(attention=attention),
+            prepare,
+            data_parallel or FsdpConfig(),
+            router_std,
+            decoder,
         ),
         task=PackedTask(),
         data_provider=data_provider_for(global_rows, microbatch_rows),
@@ -225,8 +232,10 @@ def train_distributed(
     prepare: Callable[[nn.Module], object] | None = None,
     data_parallel: AnyDataParallelConfig | None = None,
     router_std: float | None = None,
+    decoder: DecoderConfig = EAGER,
+    events: EventBus | None = None,
 ) -> Run:
-    events = EventBus()
+    events = events or EventBus()
     norms: list[float] = []
     events.subscribe(OptimizerStepped, lambda event: norms.append(event.grad_norm))
     trainer = build_cp_trainer(
@@ -239,6 +248,7 @@ def train_distributed(
         prepare=prepare,
         data_parallel=data_parallel,
         router_std=router_std,
+        decoder=decoder,
     )
     result = trainer.train()
     model = trainer.parts.model
