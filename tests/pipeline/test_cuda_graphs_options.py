@@ -104,9 +104,7 @@ def test_signature_equal_for_new_values_of_the_same_shapes():
 
 def test_signature_mismatch_names_the_difference():
     captured = batch_signature([_batch(2, 8, 0), _batch(2, 8, 0)])
-    assert signature_mismatch(captured, batch_signature([_batch(2, 8, 0)])) == (
-        "1 micro-batches, the capture had 2"
-    )
+    assert signature_mismatch(captured, batch_signature([_batch(2, 8, 0)])) == ("1 micro-batches, the capture had 2")
     assert signature_mismatch(captured, batch_signature([_batch(2, 8, 0), _batch(2, 9, 0)])) == (
         "micro-batch 1, leaf 0: a [2, 9] int64 tensor instead of a [2, 8] int64 tensor"
     )
