@@ -31,6 +31,7 @@ turn `cuda_graphs` off. Forward-only programs always run eagerly.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import warnings
 from collections.abc import Callable, Sequence
@@ -226,7 +227,17 @@ class ActionGraphs:
             self.reason = "warm-up step"
             return outcome
         if not state.captured:
-            return self._capture(state, plan, task, batches, loss_scale)
+            # A CUDA graph destroyed during another capture breaks that capture (its destruction is refused there
+            # and the generator's capture state is left set): collect the garbage of dropped executors first, and
+            # let no collection run while capturing.
+            gc.collect()
+            enabled = gc.isenabled()
+            gc.disable()
+            try:
+                return self._capture(state, plan, task, batches, loss_scale)
+            finally:
+                if enabled:
+                    gc.enable()
         return self._replay(state, plan, batches, loss_scale)
 
     def _moved(self, state: _ProgramGraphs) -> bool:
