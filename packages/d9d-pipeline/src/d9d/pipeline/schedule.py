@@ -18,8 +18,9 @@ from torch import nn
 from d9d.core.loop.schedule import ScheduleResult
 from d9d.pipeline.program import Program, StageLayout
 from d9d.pipeline.program.builders import build_program, inference
-from d9d.pipeline.runtime.executor import PipelineExecutor, SplitBackward, StepOutcome
+from d9d.pipeline.runtime.executor import PipelineExecutor, SplitBackward
 from d9d.pipeline.runtime.model_view import merge_stage_modules
+from d9d.pipeline.runtime.outcome import StepOutcome
 from d9d.pipeline.task import PipelineTask
 
 TBatch = TypeVar("TBatch")

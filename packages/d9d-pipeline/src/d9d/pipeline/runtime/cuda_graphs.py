@@ -357,7 +357,7 @@ class ActionGraphs:
         when it launched nothing. Not `torch.cuda.graph`: it synchronises the device on entry, which would wait for
         receives whose senders wait for this rank."""
         if self._stream is None:
-            self._stream = torch.cuda.Stream(self.executor.device)
+            self._stream = torch.cuda.Stream(self.executor.device)  # type: ignore[no-untyped-call]
         stream, main = self._stream, torch.cuda.current_stream(self.executor.device)
         graph = torch.cuda.CUDAGraph()
         stream.wait_stream(main)
