@@ -28,6 +28,11 @@
 #   pipehost : host ms per F / I / W / B of ZBV's 5-layer stage, kernel ops dispatched vs called directly (1 GPU),
 #              then cost-aware ZBV 4/3 and 1F1B 1/7 at PIPE_ROWS (default 4) with the ops dispatched (the old path),
 #              then called directly (the default), on the same machine
+#   pipegraphs: design 0028: cost-aware ZBV 4/3 and 1F1B 1/7 at PIPE_ROWS (default 4) on 4 GPUs, each eager and then
+#              with --cuda-graphs (the compute actions replayed as CUDA graphs), on the same machine
+#   pipegraphs2: the same on 2 GPUs: ZBV and 1F1B at pp=2 with PIPE_LAYERS (default 16) layers, each split chosen by
+#              simulation under the cost model (--suggest-split), eager then graphs
+#   pipegraphstests: the GPU parity tests of the CUDA-graph executor against eager (tests/pipeline/test_gpu_cuda_graphs.py)
 #   pipeline2: one stage's split backward against its full backward (ops, calls, host/device ms; 1 GPU), then
 #              1F1B, ZBV and DualPipeV at pp=2 (2 GPUs), the anchor's 32 layers with 16 micro-batches
 #   kernels  : the kernel table and the single-GPU Trainer ablation
@@ -235,6 +240,28 @@ for part in "$@"; do case $part in
           --warmup 2 --profile-steps 1 --head-costs 5.3 17.8 0 --embedding-costs 0 0 0.3
       done
     done ;;
+  pipegraphs)  # design 0028: pipehost's second half (cost-aware ZBV 4/3, 1F1B 1/7), eager then CUDA graphs
+    for item in "zbv 4 3" "1f1b 1 7"; do
+      set -- $item
+      for graphs in "" --cuda-graphs; do
+        run 0,1,2,3 ${PIPE_SECONDS:-120} ppgraphs.log bench/pipeline_schedules.py --schedules $1 --virtual-layers-pre $2 \
+          --virtual-layers-post $3 --microbatch-rows ${PIPE_ROWS:-4} --steps 5 --warmup 2 --profile-steps 1 \
+          --head-costs 5.3 17.8 0 --embedding-costs 0 0 0.3 $graphs
+      done
+    done ;;
+  pipegraphs2)  # the same at pp=2 on 2 GPUs (PIPE_LAYERS layers; the anchor's head at 16 layers is about a third)
+    # (the split per schedule by simulation under the cost model: --suggest-split)
+    for schedule in zbv 1f1b; do
+      for graphs in "" --cuda-graphs; do
+        run 0,1 ${PIPE_SECONDS:-120} ppgraphs2.log bench/pipeline_schedules.py --schedules $schedule --suggest-split \
+          --num-layers ${PIPE_LAYERS:-16} --microbatch-rows ${PIPE_ROWS:-4} --steps ${PIPE_STEPS:-5} --warmup 2 \
+          --profile-steps 1 --head-costs 5.3 17.8 0 --embedding-costs 0 0 0.3 $graphs
+      done
+    done ;;
+  pipegraphstests)
+    D9D_GPU_TEST_TIMEOUT=400 timeout -s INT 450 python3 -m pytest -v -s -p no:cacheprovider -rfE -m gpu \
+      tests/pipeline/test_gpu_cuda_graphs.py 2>&1 | tee "$out/pipegraphs-tests.log" \
+      | grep -E "PASSED|FAILED|ERROR|passed|failed|graphs vs eager" | cut -c1-300 ;;
   pipeline2)
     for layers in 8 4; do run 0 100 pp2.log bench/pipeline_split_backward.py --layers $layers; done
     for schedule in 1f1b zbv dualpipe_v; do

@@ -23,6 +23,12 @@ simulation (`suggest_virtual_layers`) instead of `--virtual-layers-pre/post`.
     torchrun --nproc-per-node 4 bench/pipeline_schedules.py --microbatch-rows 4 --schedules zbv \
         --head-costs 5.3 17.8 0 --embedding-costs 0 0 0.3 --virtual-layers-pre 4 --virtual-layers-post 3
     python3 bench/pipeline_trace.py T   # per rank: compute, waiting on a peer, starved, host time per action
+    torchrun --nproc-per-node 2 bench/pipeline_schedules.py --schedules 1f1b zbv --cuda-graphs  # design note 0028
+
+`--cuda-graphs` replays each step's compute actions as CUDA graphs (`PipelineConfig.cuda_graphs`): the first warm-up
+step runs eagerly, the second captures, every timed step replays (the column `graphs` says `replayed`, or the
+fallback reason). With graphs the host issues one launch per action, so the measured bubble shows what the GPUs do
+without the host on the critical path.
 """
 
 from __future__ import annotations
@@ -104,6 +110,7 @@ class Row:
     virtual_layers: str  # the split run, "pre/post"
     peak_gib: float
     split_backward: str  # how split-backward schedules split (design note 0024); unused by the others
+    graphs: str  # "off", "replayed" (every timed step replayed CUDA graphs) or the reason it ran eagerly
 
 
 class Task:
@@ -186,7 +193,8 @@ def trace_step(step: Callable[[], float], kind: str, rank: int, args: argparse.N
 
 def measure(ctx: DistributedContext, kind: str, args: argparse.Namespace) -> Row:
     shape = TINY if args.tiny else ANCHOR
-    params = Qwen3DenseParameters(**{**shape, **({"vocab_size": args.vocab_size} if args.vocab_size else {})})
+    overrides = {"vocab_size": args.vocab_size, "num_layers": args.num_layers}
+    params = Qwen3DenseParameters(**{**shape, **{key: value for key, value in overrides.items() if value}})
     cuda = ctx.device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     decoder = DecoderConfig()  # attention backend: environment, then capability detection
@@ -197,6 +205,7 @@ def measure(ctx: DistributedContext, kind: str, args: argparse.Namespace) -> Row
             "virtual_layers_pre": args.virtual_layers_pre,
             "virtual_layers_post": args.virtual_layers_post,
             "costs": costs,
+            "cuda_graphs": args.cuda_graphs,
         }
     )
     if args.suggest_split:
@@ -249,7 +258,15 @@ def measure(ctx: DistributedContext, kind: str, args: argparse.Namespace) -> Row
 
     for _ in range(args.warmup):
         step()
+    graphs = schedule.executor.graphs
+    replays_before = graphs.replays if graphs is not None else 0
     times = [step() for _ in range(args.steps)]
+    if graphs is None:
+        graph_state = "off"
+    elif graphs.replays - replays_before == args.steps:
+        graph_state = "replayed"
+    else:
+        graph_state = f"eager: {graphs.reason}"
     median = statistics.median(times)
 
     busy: list[float] = []
@@ -325,6 +342,7 @@ def measure(ctx: DistributedContext, kind: str, args: argparse.Namespace) -> Row
         virtual_layers=f"{config.virtual_layers_pre}/{config.virtual_layers_post}",
         peak_gib=peak,
         split_backward=schedule.executor.split_backward,
+        graphs=graph_state,
     )
 
 
@@ -383,9 +401,15 @@ def main() -> None:
     parser.add_argument(
         "--vocab-size", type=int, help="override the vocabulary (a small one makes the head cost about one layer)"
     )
+    parser.add_argument("--num-layers", type=int, help="override the layer count (32 for the anchor, 8 tiny)")
     parser.add_argument("--tiny", action="store_true", help="a tiny model and short sequences (CPU smoke run)")
     parser.add_argument(
         "--split-backward", choices=["store", "graph"], default="store", help="weight-gradient store or graph walk"
+    )
+    parser.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="replay the compute actions as CUDA graphs (PipelineConfig.cuda_graphs; needs --warmup 2 or more)",
     )
     parser.add_argument(
         "--trace-dir", type=Path, help="also trace one step per rank (host ranges per action) into this folder"
@@ -401,9 +425,9 @@ def main() -> None:
         print(
             "| schedule | pp | micro-batches x rows | tokens/s per GPU | step s | measured bubble | bubble, comm busy"
             " | simulated bubble | simulated, stage costs | simulated, cost model | pre/post | peak GiB"
-            " | split backward |",
+            " | split backward | graphs |",
         )
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for row in rows:
             print(
                 f"| {row.schedule} | {row.pp} | {row.microbatches} x {row.microbatch_rows}"
@@ -411,7 +435,7 @@ def main() -> None:
                 f" | {row.bubble_counting_comm_busy:.3f} | {row.simulated_bubble:.3f}"
                 f" | {row.simulated_bubble_stage_costs:.3f}"
                 f" | {'-' if row.simulated_bubble_cost_model is None else f'{row.simulated_bubble_cost_model:.3f}'}"
-                f" | {row.virtual_layers} | {row.peak_gib:.1f} | {row.split_backward} |"
+                f" | {row.virtual_layers} | {row.peak_gib:.1f} | {row.split_backward} | {row.graphs} |"
             )
         print(json.dumps([asdict(row) for row in rows]))
     ctx.close()

@@ -173,6 +173,8 @@ class RunRecord:
     grad_norms: list[float]
     params: dict[str, torch.Tensor]  # this rank's parameters at the end (full tensors), global names
     deferred_weight_gradients: int = 0  # weight gradients the executor's weight-gradient store deferred to W
+    graph_replays: int = 0  # steps the executor only replayed as CUDA graphs (PipelineConfig.cuda_graphs)
+    graph_fallback: str | None = None  # why the last step ran eagerly under cuda_graphs (None: it replayed)
 
 
 def reference_run(family: str, *, steps: int, global_rows: int, seed: int = 5) -> list[RunRecord]:
@@ -315,6 +317,8 @@ def pipelined_run(
         grad_norms=norms,
         params=params,
         deferred_weight_gradients=schedule.executor.deferred_weight_gradients,
+        graph_replays=graphs.replays if (graphs := schedule.executor.graphs) is not None else 0,
+        graph_fallback=graphs.reason if graphs is not None else None,
     )
 
 

@@ -55,7 +55,8 @@ def build_pipeline_schedule(
     """Check the plan (the same `ValueError`s as `plan_pipeline`), build this rank's stages with `build_stage`
     (a materialised, parallelised stage module per `PipelineStage`) and return the schedule; give the Trainer
     `schedule.model` as its model and `schedule` as its step schedule. `split_backward`: how split-backward
-    schedules split ("store", the default, or "graph"; None reads `D9D_PIPELINE_SPLIT_BACKWARD`)."""
+    schedules split ("store", the default, or "graph"; None reads `D9D_PIPELINE_SPLIT_BACKWARD`). The executor
+    replays CUDA graphs when `config.cuda_graphs` is set."""
     plan = plan_pipeline(
         config,
         pp=ctx.degrees.pp,
@@ -76,6 +77,7 @@ def build_pipeline_schedule(
         upstream_group=pipeline_upstream_group(ctx),
         device=ctx.device,
         split_backward=split_backward,
+        cuda_graphs=config.cuda_graphs,
     )
 
 

@@ -73,6 +73,11 @@ class PipelineConfig(BaseModel):
         description="what layers, embedding and head cost; the zero-bubble builders (zb_h1, zbv) plan with it "
         "(None: uniform costs, as before)",
     )
+    cuda_graphs: bool = Field(
+        default=False,
+        description="replay each training step's compute actions as CUDA graphs after a warm-up and a capture step "
+        "(design note 0028); what cannot be captured (CPU, FSDP stages, MoE layers) runs eagerly with a logged reason",
+    )
 
 
 def _builder(

@@ -18,8 +18,9 @@ from torch import nn
 from d9d.core.loop.schedule import ScheduleResult
 from d9d.pipeline.program import Program, StageLayout
 from d9d.pipeline.program.builders import build_program, inference
-from d9d.pipeline.runtime.executor import PipelineExecutor, SplitBackward, StepOutcome
+from d9d.pipeline.runtime.executor import PipelineExecutor, SplitBackward
 from d9d.pipeline.runtime.model_view import merge_stage_modules
+from d9d.pipeline.runtime.outcome import StepOutcome
 from d9d.pipeline.task import PipelineTask
 
 TBatch = TypeVar("TBatch")
@@ -30,7 +31,8 @@ class PipelineSchedule:
     """Runs a rank's stages under a program; satisfies `d9d.core.loop.schedule.StepSchedule`.
 
     `model` (what the Trainer optimizes, checkpoints and clips) is the merged view of the stages, see
-    `merge_stage_modules`; `run` checks it is that view.
+    `merge_stage_modules`; `run` checks it is that view. `cuda_graphs`: replay training steps' compute actions as
+    CUDA graphs (`PipelineExecutor`, design note 0028; `PipelineConfig.cuda_graphs`).
     """
 
     def __init__(
@@ -45,6 +47,7 @@ class PipelineSchedule:
         device: torch.device,
         split_backward: SplitBackward | None = None,
         upstream_group: dist.ProcessGroup | None = None,
+        cuda_graphs: bool = False,
     ) -> None:
         self.name, self._build, self.layout = name, build, layout
         self.pipeline_rank, self.group, self.device = pipeline_rank, group, device
@@ -56,6 +59,7 @@ class PipelineSchedule:
             upstream_group=upstream_group,
             device=device,
             split_backward=split_backward,
+            cuda_graphs=cuda_graphs,
         )
         self.model = merge_stage_modules([modules[stage] for stage in sorted(modules)])
         self._programs: dict[tuple[int, bool], Program] = {}

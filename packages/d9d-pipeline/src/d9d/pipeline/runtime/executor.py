@@ -12,6 +12,9 @@ marked so the deferrable ops record their deferrable node, `I` is one ordinary b
 (runtime/split_backward.py), which also defers what the store cannot (tensor-parallel linears, expert-parallel
 experts) at the host cost of walking the graph. The first stage has no input gradient to send: under both its `I`
 does nothing and its `W` is the whole backward.
+
+`cuda_graphs=True` replays the compute actions of training steps as CUDA graphs after a warm-up step and a capture
+step (runtime/cuda_graphs.py, design note 0028); what it cannot capture runs this interpreter with a logged reason.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ from torch import nn
 
 from d9d.core.loop.protocols import LossResult
 from d9d.pipeline.program import Action, ActionKind, Program, StageLayout
+from d9d.pipeline.runtime.cuda_graphs import ActionGraphs, StaticSums
 from d9d.pipeline.runtime.fsdp_reduction import DeferredReduction, fsdp_roots
+from d9d.pipeline.runtime.outcome import StepOutcome
 from d9d.pipeline.runtime.p2p import Communicator, ReceiveHandle
 from d9d.pipeline.runtime.split_backward import WeightGradientWork, backward_input, backward_weight
 from d9d.pipeline.runtime.weight_store import (
@@ -72,15 +77,6 @@ def check_channel_groups(backend: str, device: torch.device, *, separate: bool) 
     )
 
 
-@dataclass
-class StepOutcome:
-    """This rank's part of a step: summed (unscaled) losses and metric sums of the micro-batches whose last stage
-    it holds (zero and empty elsewhere)."""
-
-    loss_sum: float = 0.0
-    metric_sums: dict[str, float] = field(default_factory=dict)
-
-
 @dataclass(frozen=True)
 class _RankPlan:
     """What a step derives from its program for this rank, computed once per program (callers reuse a program per
@@ -98,7 +94,7 @@ _PLANS_KEPT = 8  # programs whose plans an executor keeps (training, evaluation,
 @dataclass
 class _Step:
     batches: Sequence[Any]
-    loss_scale: float
+    loss_scale: float | torch.Tensor  # a device scalar when captured (runtime/cuda_graphs.py)
     training: bool
     outcome: StepOutcome = field(default_factory=StepOutcome)
     # The losses summed on the device: a `float()` per micro-batch would wait for the GPU each time and let the
@@ -110,6 +106,20 @@ class _Step:
     input_grads: dict[Key, torch.Tensor | None] = field(default_factory=dict)  # gradient of a stage's input
     weight_work: dict[Key, WeightGradientWork | WeightGradientStore] = field(default_factory=dict)
     split: frozenset[Key] = frozenset()  # the (stage, micro-batch)s whose backward this program splits
+    sums: StaticSums | None = None  # CUDA graphs: the loss and metric sums on the device, instead of the above
+
+    def snapshot(self) -> tuple[dict[Any, Any], ...]:
+        """The per-key state an action pops or sets (shallow copies), for rerunning an action whose capture failed."""
+        return (
+            dict(self.inputs),
+            dict(self.outputs),
+            dict(self.received),
+            dict(self.input_grads),
+            dict(self.weight_work),
+        )
+
+    def restore(self, snapshot: tuple[dict[Any, Any], ...]) -> None:
+        self.inputs, self.outputs, self.received, self.input_grads, self.weight_work = (dict(d) for d in snapshot)
 
 
 class PipelineExecutor:
@@ -125,6 +135,7 @@ class PipelineExecutor:
         device: torch.device,
         split_backward: SplitBackward | None = None,
         upstream_group: dist.ProcessGroup | None = None,
+        cuda_graphs: bool = False,
     ) -> None:
         expected = set(layout.stages_of(pipeline_rank))
         if set(modules) != expected:
@@ -150,6 +161,13 @@ class PipelineExecutor:
         }
         self._stages = tuple(PipelineStage(stage, layout.num_stages) for stage in range(layout.num_stages))
         self._plans: dict[int, tuple[Program, _RankPlan]] = {}  # id(program) -> (program, plan); holds the program
+        # Training steps replayed as CUDA graphs (runtime/cuda_graphs.py); None: every step runs the interpreter.
+        self.graphs = ActionGraphs(self) if cuda_graphs else None
+
+    @property
+    def fsdp_stages(self) -> tuple[int, ...]:
+        """The stages whose module holds FSDP units."""
+        return tuple(sorted(self._fsdp))
 
     def stage_info(self, stage: int) -> PipelineStage:
         return self._stages[stage]
@@ -177,12 +195,19 @@ class PipelineExecutor:
                 f"program {program.name!r} is for {program.num_microbatches} micro-batches, got {len(batches)}"
             )
         plan = self._plan(program)
-        step = _Step(batches=batches, loss_scale=loss_scale, training=program.training, split=plan.split)
-        comm = None
-        if self.group is not None:
-            assert self._upstream is not None
-            comm = Communicator(self.group, self._upstream)
-        deferred = {index: self._fsdp[stage] for index, stage in plan.reductions.items()} if program.training else {}
+        if self.graphs is not None and program.training:
+            outcome = self.graphs.run(program, plan, task, batches, loss_scale)
+            if outcome is not None:
+                return outcome
+        return self.run_eager(plan, task, batches, loss_scale=loss_scale, training=program.training)
+
+    def run_eager(
+        self, plan: _RankPlan, task: PipelineTask[Any], batches: Sequence[Any], *, loss_scale: float, training: bool
+    ) -> StepOutcome:
+        """The interpreter: every action of `plan` in order."""
+        step = _Step(batches=batches, loss_scale=loss_scale, training=training, split=plan.split)
+        comm = self.communicator()
+        deferred = {index: self._fsdp[stage] for index, stage in plan.reductions.items()} if training else {}
         try:
             for reduction in deferred.values():
                 reduction.begin()
@@ -202,6 +227,26 @@ class PipelineExecutor:
         if step.loss_total is not None:
             step.outcome.loss_sum = float(step.loss_total)
         return step.outcome
+
+    def new_step(self, batches: Sequence[Any], loss_scale: torch.Tensor, plan: _RankPlan, *, sums: StaticSums) -> _Step:
+        """A training step's state whose scale and sums live on the device (what captured actions read and write)."""
+        return _Step(batches=batches, loss_scale=loss_scale, training=True, split=plan.split, sums=sums)
+
+    def communicator(self) -> Communicator | None:
+        if self.group is None:
+            return None
+        assert self._upstream is not None
+        return Communicator(self.group, self._upstream)
+
+    def receives_of(self, action: Action) -> tuple[tuple[str, int, int], ...]:
+        """The received messages (`_Step.received` keys) a compute action reads."""
+        stage, mb = action.stage, action.microbatch
+        if action.kind is ActionKind.FORWARD and stage > 0 and self.layout.rank_of(stage - 1) != self.rank:
+            return (("F", stage, mb),)
+        backward = action.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT)
+        if backward and stage != self.layout.last_stage and self.layout.rank_of(stage + 1) != self.rank:
+            return (("B", stage, mb),)
+        return ()
 
     def _reduction_points(self, actions: Sequence[Action]) -> dict[int, int]:
         """For each FSDP stage whose backward is split in `actions`: the index of its last backward action, where
@@ -232,6 +277,45 @@ class PipelineExecutor:
             case ActionKind.RECV_GRADIENT:
                 buffer = torch.empty_like(step.outputs[key])
                 step.received[("B", *key)] = (buffer, comm.recv(buffer, peer))
+            case _:
+                raise AssertionError(action)
+
+    def _communicate_static(
+        self,
+        action: Action,
+        task: PipelineTask[Any],
+        step: _Step,
+        *,
+        comm: Communicator,
+        peer: int,
+        entry: Any,
+        at: tuple[int, dict[tuple[str, int, int], int]],
+    ) -> None:
+        """`_communicate` in a capture step: each receive gets a buffer that stays (`entry.buffer`), each send
+        records the tensor it reads (`entry.sent`), so replays repeat the messages over the same tensors."""
+        key = (action.stage, action.microbatch)
+        match action.kind:
+            case ActionKind.SEND_ACTIVATION:
+                entry.sent = step.outputs[key].detach()
+                comm.send(entry.sent, peer)
+            case ActionKind.SEND_GRADIENT:
+                grad = step.input_grads.pop(key)
+                if grad is None:
+                    raise RuntimeError(f"{action}: stage {action.stage}'s input got no gradient (is it used?)")
+                entry.sent = grad
+                comm.send(grad.contiguous(), peer)
+            case ActionKind.RECV_ACTIVATION | ActionKind.RECV_GRADIENT:
+                direction = "F" if action.kind is ActionKind.RECV_ACTIVATION else "B"
+                if direction == "F":
+                    spec = task.activation_spec(
+                        step.batches[action.microbatch], stage=self.stage_info(action.stage - 1)
+                    )
+                    entry.buffer = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
+                else:
+                    entry.buffer = torch.empty_like(step.outputs[key])
+                step.received[(direction, *key)] = (entry.buffer, comm.recv(entry.buffer, peer))
+                index, receive_at = at  # this action's index, and where each received message's action is
+                receive_at[(direction, *key)] = index
             case _:
                 raise AssertionError(action)
 
@@ -292,9 +376,12 @@ class PipelineExecutor:
             if not isinstance(result, LossResult):
                 raise TypeError(f"the last stage's forward_stage must return a LossResult, got {type(result).__name__}")
             loss = result.loss_sum.detach().to(torch.float64)
-            step.loss_total = loss if step.loss_total is None else step.loss_total + loss
-            for name, value in result.metrics.items():
-                step.outcome.metric_sums[name] = step.outcome.metric_sums.get(name, 0.0) + float(value)
+            if step.sums is not None:  # captured: no host sync inside a graph
+                step.sums.add(loss, result.metrics)
+            else:
+                step.loss_total = loss if step.loss_total is None else step.loss_total + loss
+                for name, value in result.metrics.items():
+                    step.outcome.metric_sums[name] = step.outcome.metric_sums.get(name, 0.0) + float(value)
             if step.training:
                 step.outputs[(stage, mb)] = result.loss_sum * step.loss_scale
         else:

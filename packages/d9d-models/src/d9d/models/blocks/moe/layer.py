@@ -37,6 +37,9 @@ class MoELayer(nn.Module):
     """
 
     tokens_per_expert: torch.Tensor
+    # d9d-pipeline's CUDA graphs (design note 0028) keep a pipeline with MoE layers eager: the load count, the
+    # auxiliary losses' bookkeeping and the dispatch's group sizes are host-side per forward.
+    pipeline_cuda_graphs_unsupported = "MoE layers route on the host (group sizes, load and auxiliary-loss bookkeeping)"
 
     def __init__(
         self,
