@@ -10,7 +10,9 @@ import torch
 
 @dataclass(frozen=True)
 class DispatchedTokens:
-    """What this rank's local experts receive: `rows` `(N, H)` sorted by local expert, `group_sizes` `(E_local,)`.
+    """What this rank's local experts receive: `rows` `(N, H)` sorted by local expert, `group_sizes` `(E_local,)`
+    summing to `N`. A fixed-size exchange (`all_to_all_capacity`) ends `rows` with zero padding rows counted in the
+    last group: expert outputs for them are never read by `combine` (they add nothing, their gradients are zero).
 
     `handle` is the implementation's bookkeeping to bring the rows back in `combine`; treat it as opaque.
     """
@@ -28,10 +30,12 @@ class TokenDispatcher(Protocol):
     dispatched)`: the expert outputs (same order as `dispatched.rows`) come back, are weighted by the combine weights
     and summed per token, `(T, H)`. Both are differentiable (rows, `x` and the combine weights).
 
-    Under `torch.compile` both are graph breaks (`eager_only`, i.e. `torch.compiler.disable`): they copy counts to
+    Under `torch.compile` the all-to-all and DeepEP dispatchers' `dispatch` and `combine` are graph breaks
+    (`eager_only`, i.e. `torch.compiler.disable`): they copy counts to
     the host and pass them to collectives as Python lists, which Dynamo would bake into guards (a recompilation for
     every new routing). Code compiled between them sees `rows` with a dynamic first dimension
-    (`mark_row_count_dynamic`), so it compiles once for every row count.
+    (`mark_row_count_dynamic`), so it compiles once for every row count. `all_to_all_capacity` has static shapes and
+    no host copy, so Dynamo traces it (functional collectives).
     """
 
     name: str
