@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from d9d.core.checkpoint import JobCheckpointer, ModelAndOptimizer
 from d9d.core.dist import DistributedContext, MeshDegrees
-from d9d.kernels.expert_dispatch import AllToAllDispatcher
+from d9d.kernels.expert_dispatch import AllToAllCapacityDispatchConfig, AllToAllCapacityDispatcher, AllToAllDispatcher
 from d9d.models.blocks.moe import MoELayer
 from d9d.models.qwen3 import parallelize_qwen3_moe
 from d9d.parallel import FsdpConfig, HsdpConfig, ReplicateConfig
@@ -103,6 +103,27 @@ def test_expert_parallel_training_matches_single_process(world_size, layout):
         assert experts.device_mesh.mesh_dim_names == ("ep",)
         assert experts.to_local().shape[0] * degrees.ep == experts.shape[0]
     trace = train(model, optimizer_for(model), range(STEPS), ctx=ctx, sync=sync)
+    reference, reference_trace = _reference(range(STEPS))
+    _assert_same_training(trace, reference_trace)
+    _assert_same_parameters(model, reference)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.distributed(timeout=300)
+def test_static_capacity_exchange_without_drops_trains_like_single_process(world_size):
+    # The sync-free dispatcher (design 0029), ep over dp_shard, at capacity_factor = ep: a block holds T * k rows, so
+    # nothing can be dropped and training must match one process at the all-to-all dispatcher's tolerances (module
+    # docstring; its padding rows are zeros whose outputs combine never reads).
+    dispatch = AllToAllCapacityDispatchConfig(capacity_factor=float(world_size))
+    decoder = EAGER.model_copy(update={"expert_dispatch": dispatch})
+    ctx, model, sync = _parallel(MeshDegrees(dp_shard=world_size, ep=world_size), FsdpConfig(), decoder)
+    layers = [module for module in model.modules() if isinstance(module, MoELayer)]
+    assert layers and all(isinstance(layer.dispatcher, AllToAllCapacityDispatcher) for layer in layers)
+    trace = train(model, optimizer_for(model), range(STEPS), ctx=ctx, sync=sync)
+    for layer in layers:
+        assert isinstance(layer.dispatcher, AllToAllCapacityDispatcher)
+        assert int(layer.dispatcher.dropped_copies) == 0
+        assert int(layer.dispatcher.rows_received) > 0
     reference, reference_trace = _reference(range(STEPS))
     _assert_same_training(trace, reference_trace)
     _assert_same_parameters(model, reference)
