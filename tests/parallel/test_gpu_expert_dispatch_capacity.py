@@ -6,8 +6,9 @@ dispatcher (design 0029). The experts are either a scale per expert (looked up f
 `torch._grouped_mm` (the `torch` grouped-matmul backend, sm90+). Results are compared with the all-to-all
 dispatcher's (which syncs; run outside the debug mode) on the same bf16 inputs at capacity_factor = ep (no drops):
 the same rows move and the same weighted sums run, so outputs and token gradients agree exactly for the scaled
-experts; through the grouped GEMM, whose last group carries the padding rows, to bf16 rounding (rtol 1.6e-2, atol
-1e-2: the tile split of that group may differ), and the expert weight gradient likewise.
+experts. Through the grouped GEMM, which skips the padding rows past the groups (left unwritten, never read), to
+bf16 rounding (rtol 1.6e-2, atol 1e-2: the kernel may tile the longer buffer differently), the expert weight
+gradient likewise: a padding row leaking into it would be far off.
 
 Skipped cleanly without 2 GPUs.
 """
@@ -33,8 +34,6 @@ def test_capacity_dispatch_never_synchronises_and_matches_the_all_to_all_dispatc
     world = _gpu_world()
     if world < 2:
         pytest.skip(f"expert dispatch on GPUs needs 2 of them; {world} visible")
-    if experts == "torch_grouped_mm" and torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("torch._grouped_mm needs sm90+")
 
     def body():
         os.environ["D9D_DEVICE"] = "cuda"
@@ -42,6 +41,8 @@ def test_capacity_dispatch_never_synchronises_and_matches_the_all_to_all_dispatc
         from d9d.kernels.expert_dispatch import AllToAllCapacityDispatcher, AllToAllDispatcher
         from d9d.kernels.grouped_mm import TorchGroupedMm
 
+        if experts == "torch_grouped_mm" and torch.cuda.get_device_capability() < (9, 0):
+            return "torch._grouped_mm needs sm90+"  # asked here: CUDA must not start in the forking process
         ctx = DistributedContext.build(MeshDegrees(dp_shard=world, ep=world))
         group = ctx.mesh_for("expert")["ep"].get_group()
         capacity = AllToAllCapacityDispatcher(group, NUM_EXPERTS, capacity_factor=float(world))
@@ -96,5 +97,8 @@ def test_capacity_dispatch_never_synchronises_and_matches_the_all_to_all_dispatc
                 for got, want in zip(grads, ref_grads, strict=True):
                     torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1e-2)
         ctx.close()
+        return None
 
-    run_on_ranks(world, body, init_process_group=False, timeout_seconds=240)
+    skipped = run_on_ranks(world, body, init_process_group=False, timeout_seconds=240)
+    if skipped[0] is not None:
+        pytest.skip(skipped[0])

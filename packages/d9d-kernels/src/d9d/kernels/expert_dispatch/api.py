@@ -11,8 +11,9 @@ import torch
 @dataclass(frozen=True)
 class DispatchedTokens:
     """What this rank's local experts receive: `rows` `(N, H)` sorted by local expert, `group_sizes` `(E_local,)`
-    summing to `N`. A fixed-size exchange (`all_to_all_capacity`) ends `rows` with zero padding rows counted in the
-    last group: expert outputs for them are never read by `combine` (they add nothing, their gradients are zero).
+    summing to at most `N`. A fixed-size exchange (`all_to_all_capacity`) ends `rows` with padding rows (zeros)
+    after the last group; the grouped matmuls skip them (`GroupedMm`) and `combine` never reads their outputs, so
+    they add nothing to any result or gradient.
 
     `handle` is the implementation's bookkeeping to bring the rows back in `combine`; treat it as opaque.
     """

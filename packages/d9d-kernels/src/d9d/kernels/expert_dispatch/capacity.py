@@ -14,10 +14,10 @@ the MoE layer's per-expert capacity dropping. `dropped_copies` counts them (a de
 Layout: rank `r` sends `ep` blocks of `C` rows; block `d` holds the copies for rank `d` sorted by local expert (stable,
 so in token order within an expert), then zero padding rows. The receiver reorders what arrived to local-expert-major
 (expert, then source rank, then token order: the all-to-all dispatcher's order exactly), padding rows last. The
-group sizes stay on the device; the padding rows are counted in the last local expert's group so that every
-grouped-matmul backend (whose group sizes must sum to `N`) takes them unchanged. They are zero rows whose outputs
-`combine` never reads, so they add nothing to any result or gradient (a weight gradient sums `x^T g` over rows, and
-their `g` is zero), at the price of the last expert computing them (design 0029 weighs that).
+group sizes stay on the device and sum to the valid rows only: the padding rows after them belong to no group, so
+the grouped matmuls skip them (`GroupedMm`: rows past the sum are padding, not computed, and excluded from the
+weight gradient), and `combine` and the backward of `dispatch` never read them, so whatever the experts leave there
+adds nothing to any result or gradient (design 0029).
 
 Every row movement is a gather whose backward is a gather (no scatter-add), so gradients are deterministic.
 """
@@ -31,7 +31,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from torch.nn import functional
 
 from d9d.kernels.expert_dispatch.api import DispatchedTokens, check_routing, split_experts
 from d9d.kernels.expert_dispatch.sorting import count_per_expert, inverse_permutation, permute_rows
@@ -59,7 +58,8 @@ def pair_capacity(num_tokens: int, top_k: int, num_ranks: int, capacity_factor: 
 
 class _GatherToSlots(torch.autograd.Function):
     """Send buffer `(ep * C, H)`: slot `s` holds token `slot_token[s]` (`T`: an empty slot, a zero row). Backward
-    sums each token's `k` copy gradients in slot order, read from `slot_of_copy` (`ep * C`: dropped, zero)."""
+    sums each token's `k` copy gradients in slot order, read from `slot_of_copy` (`ep * C`: dropped, zero; the
+    gradient of an empty slot is never read, so whatever the experts left in padding rows stays out)."""
 
     @staticmethod
     def forward(
@@ -72,9 +72,17 @@ class _GatherToSlots(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         (slot_of_copy,) = ctx.saved_tensors
-        padded = torch.cat([grad, grad.new_zeros(1, grad.shape[-1])])
-        by_copy = padded.index_select(0, slot_of_copy)
+        by_copy = _read_slots(grad, slot_of_copy)
         return by_copy.view(-1, ctx.top_k, grad.shape[-1]).sum(dim=1), None, None, None
+
+
+def _read_slots(rows: torch.Tensor, slot_of_copy: torch.Tensor) -> torch.Tensor:
+    """`rows[slot_of_copy]` with zero rows for dropped copies (`slot_of_copy == len(rows)`): a gather and a select
+    over the `T * k` copies, cheaper than appending a zero row to the `ep * C` rows; `where`, not a product, so a
+    non-finite value in an unread padding row cannot leak in."""
+    num_slots = rows.shape[0]
+    gathered = rows.index_select(0, slot_of_copy.clamp(max=max(num_slots - 1, 0)))
+    return torch.where((slot_of_copy < num_slots)[:, None], gathered, 0.0)
 
 
 class _GatherFromSlots(torch.autograd.Function):
@@ -84,7 +92,7 @@ class _GatherFromSlots(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, returned: torch.Tensor, slot_of_copy: torch.Tensor, slot_copy: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(slot_copy)
-        return torch.cat([returned, returned.new_zeros(1, returned.shape[-1])]).index_select(0, slot_of_copy)
+        return _read_slots(returned, slot_of_copy)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
@@ -122,9 +130,11 @@ def _plan_sends(
     num_copies = flat.numel()
     routed = flat >= 0
     dest = torch.where(routed, flat.div(num_local, rounding_mode="floor"), num_ranks)  # `ep`: goes nowhere
-    # Rank of each copy among this rank's copies to the same destination, in (token, slot) order.
-    seen = functional.one_hot(dest, num_ranks + 1).cumsum(dim=0)
-    position = seen.gather(1, dest[:, None]).squeeze(1) - 1
+    # Rank of each copy among this rank's copies to the same destination, in (token, slot) order: a running count
+    # per destination, laid out (destination, copy) so that the scan runs along contiguous memory (a scan along
+    # dimension 0 of a (copies, ep + 1) matrix runs one serial thread per column: tens of ms on a GPU).
+    match = dest[None, :] == torch.arange(num_ranks + 1, device=flat.device)[:, None]
+    position = match.cumsum(dim=1).gather(0, dest[None, :]).squeeze(0) - 1
     sent = routed & (position < capacity)
     dropped = (routed & ~sent).sum()
     # Sent copies sorted by global expert (destination-major, local expert within), stable: token order within.
@@ -210,11 +220,7 @@ class AllToAllCapacityDispatcher:
         local_inverse, group_sizes = _local_reorder(recv_counts, capacity)
         local_order = inverse_permutation(local_inverse)
         rows = permute_rows(received, local_order, local_inverse)
-        num_rows = self.num_ranks * capacity
-        num_valid = group_sizes.sum()
-        # Padding rows (zeros, last) join the last local expert, so the group sizes sum to the row count.
-        padded_sizes = torch.cat([group_sizes[:-1], group_sizes[-1:] + (num_rows - num_valid)])
-        self._accumulate(plan.dropped, num_valid)
+        self._accumulate(plan.dropped, group_sizes.sum())
         handle = _CapacityHandle(
             slot_of_copy=plan.slot_of_copy,
             slot_copy=plan.slot_copy,
@@ -222,7 +228,7 @@ class AllToAllCapacityDispatcher:
             local_inverse=local_inverse,
             expert_weights=expert_weights,
         )
-        return DispatchedTokens(rows=rows, group_sizes=padded_sizes, handle=handle)
+        return DispatchedTokens(rows=rows, group_sizes=group_sizes, handle=handle)
 
     def combine(self, rows: torch.Tensor, dispatched: DispatchedTokens) -> torch.Tensor:
         handle = dispatched.handle
