@@ -41,6 +41,9 @@ class TokenDispatcher(Protocol):
 
     name: str
     num_local_experts: int
+    # True where `dispatch` and `combine` compile without a graph break (static shapes, no host copy): a compiled
+    # caller (the MoE layer) may then trace them instead of keeping the exchange eager.
+    traceable: bool
 
     def dispatch(
         self, x: torch.Tensor, expert_indices: torch.Tensor, expert_weights: torch.Tensor

@@ -188,6 +188,7 @@ class AllToAllCapacityDispatcher:
     """
 
     name = "all_to_all_capacity"
+    traceable = True
 
     def __init__(
         self, group: dist.ProcessGroup, num_experts: int, capacity_factor: float = DEFAULT_CAPACITY_FACTOR

@@ -113,6 +113,8 @@ class MoELayer(nn.Module):
             expert_rows = self.experts(permuted.rows, permuted.group_sizes)
             out = unpermute_tokens(expert_rows, permuted, routing.expert_weights)
             self._record_load(routed)
+        elif self.dispatcher.traceable:  # static shapes, no host copy: compiled layers include the exchange
+            out = self._exchange(flat, indices, routing.expert_weights, routed)
         else:
             out = self._exchange_through_experts(flat, indices, routing.expert_weights, routed)
         if self.shared_experts is not None:
@@ -130,7 +132,13 @@ class MoELayer(nn.Module):
         new routing); the experts' row count depends on the routing too, their parameters are swapped for
         compute-dtype copies by a hook (efsdp = 1) or all-gathered by their own FSDP unit (efsdp > 1), and they
         launch only three grouped GEMMs and a SwiGLU. Everything before (norms, attention, router) and after
-        (shared experts, residual) stays in the compiled graphs."""
+        (shared experts, residual) stays in the compiled graphs. A `traceable` dispatcher (`all_to_all_capacity`)
+        skips this wrapper: `forward` calls `_exchange` directly (design 0029)."""
+        return self._exchange(flat, indices, weights, routed)
+
+    def _exchange(
+        self, flat: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, routed: torch.Tensor
+    ) -> torch.Tensor:
         assert self.dispatcher is not None
         # Named ranges, so a profile shows the share of a step spent moving tokens (bench/expert_parallel.py).
         with record_function("moe.dispatch"):
