@@ -102,8 +102,13 @@ class _GatherFromSlots(torch.autograd.Function):
 
 def _exchange(rows: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Equal-split all-to-all of `rows` along dimension 0, differentiable (backward: the same exchange)."""
-    out = funcol.all_to_all_single_autograd(rows.contiguous(), None, None, group)
-    return funcol.wait_tensor(out)
+    return _wait(funcol.all_to_all_single_autograd(rows.contiguous(), None, None, group))
+
+
+def _wait(tensor: torch.Tensor) -> torch.Tensor:
+    """A functional collective's result, waited for on the stream (no host sync; a no-op once waited)."""
+    out: torch.Tensor = funcol.wait_tensor(tensor)  # type: ignore[no-untyped-call]  # untyped in torch
+    return out
 
 
 @dataclass(frozen=True)
@@ -214,9 +219,9 @@ class AllToAllCapacityDispatcher:
         plan = _plan_sends(expert_indices, self.num_experts, self.num_ranks, self.num_local_experts, capacity)
         slot_token = plan.slot_copy.div(top_k, rounding_mode="floor")  # `T` for an empty slot: the zero row
         send = _GatherToSlots.apply(x, slot_token, plan.slot_of_copy, top_k)  # type: ignore[no-untyped-call]
-        recv_counts = funcol.wait_tensor(
-            funcol.all_to_all_single(plan.send_counts.reshape(-1), None, None, self.group)
-        ).view(self.num_ranks, self.num_local_experts)
+        recv_counts = _wait(funcol.all_to_all_single(plan.send_counts.reshape(-1), None, None, self.group)).view(
+            self.num_ranks, self.num_local_experts
+        )
         received = _exchange(send, self.group)
         local_inverse, group_sizes = _local_reorder(recv_counts, capacity)
         local_order = inverse_permutation(local_inverse)
