@@ -35,16 +35,16 @@ multi-tensor Triton step (float32 parameters, so exactly AdamW's update; one lau
 per parameter); `torch` is `torch.optim.AdamW(foreach=False)`, the per-parameter loop of the first measurements.
 
 `--compile-layers` compiles every decoder layer's forward (`DecoderConfig.compile_layers`, Inductor on CUDA, `aot_eager`
-on CPU, where the smoke run checks the wiring, not speed) in every mode, the `fsdp` baseline and the 1-GPU row
-included, so compiled rows compare with compiled rows. Under EP each MoE layer's dispatch, local experts and combine
-stay eager (one graph break per layer: the exchange's split sizes are host lists, which compiled code would guard
-on; design 0025, third round), so the compiled regions are the norms, attention, router and residuals; under
-`ep_capacity` the exchange has static shapes and no host copy, so it is traced inside the layers (design 0029).
-Compilation happens in the first warm-up step, so keep `--warmup` at 3 or more (steps 2 and 3 then run warm);
-rows are labelled `-compiled`, and the compiled graphs are dropped between rows. `--kernels loss` swaps the small
-Triton kernels (RMSNorm, SwiGLU, RoPE, MoE permutation) for their eager references, which Inductor fuses with their
-neighbours, keeping the Triton fused loss (as `bench/trainer_step.py --kernels loss`, which beat the Triton kernels under whole-model compile
-in the single-GPU ablation, docs/benchmarks.md); `auto` (default) is detection.
+on CPU, where the smoke run checks the wiring, not speed) in every mode, the `fsdp` baseline and the 1-GPU row included,
+so compiled rows compare with compiled rows. Under EP each MoE layer's dispatch, local experts and combine stay eager
+(one graph break per layer: the exchange's split sizes are host lists, which compiled code would guard on; design 0025,
+third round), so the compiled regions are the norms, attention, router and residuals; under `ep_capacity` the exchange
+has static shapes and no host copy, so it is traced inside the layers (design 0029). Compilation happens in the first
+warm-up step, so keep `--warmup` at 3 or more (steps 2 and 3 then run warm); rows are labelled `-compiled`, and the
+compiled graphs are dropped between rows. `--kernels loss` swaps the small Triton kernels (RMSNorm, SwiGLU, RoPE, MoE
+permutation) for their eager references, which Inductor fuses with their neighbours, keeping the Triton fused loss (as
+`bench/trainer_step.py --kernels loss`, which beat the Triton kernels under whole-model compile in the single-GPU
+ablation, docs/benchmarks.md); `auto` (default) is detection.
 
 Per mode: after `--warmup` steps, `--steps` steps are timed (CUDA synchronised) and the row is printed at once (the
 slowest rank's median as tokens/s per GPU, the peak allocated memory of the most loaded rank). Only then do
