@@ -96,6 +96,14 @@ class MoELayer(nn.Module):
             self.shared_experts.reset_parameters()
         self.reset_load()
 
+    @property
+    def exchange_dropped_copies(self) -> torch.Tensor | None:
+        """Routed copies the expert-parallel exchange dropped over its capacity, summed since its dispatcher was built
+        (`all_to_all_capacity`; a device tensor, so log it when metrics are read: reading it synchronises), or None
+        where the exchange has no capacity of its own."""
+        dropped = getattr(self.dispatcher, "dropped_copies", None)
+        return dropped if isinstance(dropped, torch.Tensor) else None
+
     def reset_load(self) -> None:
         with torch.no_grad():
             self.tokens_per_expert.zero_()
