@@ -131,11 +131,13 @@ def test_static_capacity_exchange_without_drops_trains_like_single_process(world
     _assert_same_parameters(model, reference)
 
 
+@pytest.mark.parametrize("dispatch", [None, AllToAllCapacityDispatchConfig(capacity_factor=2.0)], ids=["a2a", "cap"])
 @pytest.mark.distributed(world_size=2, timeout=300)
-def test_expert_parallel_with_activation_checkpointing_recomputes_the_exchange():
+def test_expert_parallel_with_activation_checkpointing_recomputes_the_exchange(dispatch):
     # Recomputation in backward dispatches again: every rank recomputes the same layers in the same order, so the
-    # collectives pair up, and the load counts skip the recomputation.
-    checkpointed = EAGER.model_copy(update={"activation_checkpointing": True})
+    # collectives pair up, and the load counts skip the recomputation. Both exchanges (the capacity one at ep = 2 x
+    # factor 2.0 cannot drop).
+    checkpointed = EAGER.model_copy(update={"activation_checkpointing": True, "expert_dispatch": dispatch})
     ctx, model, sync = _parallel(MeshDegrees(dp_shard=2, ep=2), FsdpConfig(), checkpointed)
     trace = train(model, optimizer_for(model), range(3), ctx=ctx, sync=sync)
     reference, reference_trace = _reference(range(3))
@@ -325,8 +327,9 @@ def test_expert_parallel_with_compiled_layers_matches_eager_single_process_and_c
     _assert_same_parameters(model, reference)
 
 
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
 @pytest.mark.distributed(world_size=2, timeout=300)
-def test_static_capacity_exchange_compiles_inside_the_layers_and_trains_like_single_process():
+def test_static_capacity_exchange_compiles_inside_the_layers_and_trains_like_single_process(checkpointed):
     # With the traceable dispatcher (design 0029) the MoE layer calls the exchange without its eager wrapper, so
     # compiled layers trace dispatch and combine (static shapes: no recompilation on new routings). The only graph
     # breaks left are the CPU's eager grouped matmul (`eager_only`, a host loop; `torch._grouped_mm`'s tracing
@@ -339,7 +342,8 @@ def test_static_capacity_exchange_compiles_inside_the_layers_and_trains_like_sin
     counters.clear()
     dispatch = AllToAllCapacityDispatchConfig(capacity_factor=2.0)
     options = {"compile_layers": True, "compile_backend": "aot_eager", "expert_dispatch": dispatch}
-    compiled = EAGER.model_copy(update=options)
+    # Checkpointed: the recomputation in backward runs the compiled exchange again (its collectives pair up).
+    compiled = EAGER.model_copy(update=options | {"activation_checkpointing": checkpointed})
     ctx, model, sync = _parallel(MeshDegrees(dp_shard=2, ep=2), DENSE_LAYOUTS["whole"], compiled)
     optimizer = optimizer_for(model)
     trace = Trace()

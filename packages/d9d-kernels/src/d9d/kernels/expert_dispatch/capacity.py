@@ -131,7 +131,7 @@ class _SendPlan:
 def _plan_sends(
     expert_indices: torch.Tensor, num_experts: int, num_ranks: int, num_local: int, capacity: int
 ) -> _SendPlan:
-    flat = expert_indices.reshape(-1)
+    flat = expert_indices.reshape(-1).long()  # gathers below index with it
     num_copies = flat.numel()
     routed = flat >= 0
     dest = torch.where(routed, flat.div(num_local, rounding_mode="floor"), num_ranks)  # `ep`: goes nowhere
