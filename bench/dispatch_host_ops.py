@@ -2,6 +2,7 @@
 host-bound forward: how many backend ops each phase launches and how long the host spends, on `--ranks` gloo ranks.
 
     python bench/dispatch_host_ops.py [--ranks 2] [--tokens 512] [--hidden 64] [--experts 64] [--top-k 8]
+    python bench/dispatch_host_ops.py --dispatcher all_to_all_capacity [--capacity-factor 2.0]   # design 0029
 
 Op counts are every aten/c10d op that reaches a backend kernel (a `TorchDispatchMode` below autograd), per rank,
 for the dispatch forward, the combine forward and the backward of both; they are deterministic, so compare them
@@ -24,7 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from d9d.kernels.expert_dispatch import AllToAllDispatcher
+from d9d.kernels.expert_dispatch import AllToAllCapacityDispatcher, AllToAllDispatcher, TokenDispatcher
 
 
 class _CountOps(TorchDispatchMode):
@@ -46,7 +47,7 @@ def _routing(args: argparse.Namespace, rank: int, seed: int) -> tuple[torch.Tens
     return x, indices, weights
 
 
-def _step(dispatcher: AllToAllDispatcher, args: argparse.Namespace, rank: int, seed: int) -> dict[str, float]:
+def _step(dispatcher: TokenDispatcher, args: argparse.Namespace, rank: int, seed: int) -> dict[str, float]:
     x, indices, weights = _routing(args, rank, seed)
     dist.barrier()
     times: dict[str, float] = {}
@@ -64,7 +65,7 @@ def _step(dispatcher: AllToAllDispatcher, args: argparse.Namespace, rank: int, s
     return times
 
 
-def _count(dispatcher: AllToAllDispatcher, args: argparse.Namespace, rank: int) -> dict[str, Counter[str]]:
+def _count(dispatcher: TokenDispatcher, args: argparse.Namespace, rank: int) -> dict[str, Counter[str]]:
     x, indices, weights = _routing(args, rank, 0)
     counts: dict[str, Counter[str]] = {}
     with _CountOps() as mode:
@@ -85,7 +86,13 @@ def _worker(rank: int, args: argparse.Namespace) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
     dist.init_process_group("gloo", rank=rank, world_size=args.ranks)
     torch.set_num_threads(1)
-    dispatcher = AllToAllDispatcher(dist.group.WORLD, args.experts)
+    group = dist.group.WORLD
+    assert group is not None
+    dispatcher: TokenDispatcher = (
+        AllToAllCapacityDispatcher(group, args.experts, args.capacity_factor)
+        if args.dispatcher == "all_to_all_capacity"
+        else AllToAllDispatcher(group, args.experts)
+    )
     counts = _count(dispatcher, args, rank)
     samples: dict[str, list[float]] = {"dispatch": [], "combine": [], "backward": []}
     for seed in range(args.warmup + args.repeats):
@@ -115,6 +122,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--port", type=int, default=29517)
+    parser.add_argument("--dispatcher", default="all_to_all", choices=["all_to_all", "all_to_all_capacity"])
+    parser.add_argument("--capacity-factor", type=float, default=2.0, help="all_to_all_capacity only")
     args = parser.parse_args()
     mp.spawn(_worker, args=(args,), nprocs=args.ranks, join=True)
 

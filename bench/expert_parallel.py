@@ -5,6 +5,9 @@ GPU) with FSDP (bf16 compute, fp32 reduce, fp32 master weights, AdamW, clipping 
 
 - `fsdp`: `ep=1`, experts FSDP-sharded and all-gathered like every other parameter;
 - `ep`: `ep=N` with the all-to-all dispatcher (experts `Shard(0)` over the ranks, tokens exchanged);
+- `ep_capacity`: `ep=N` with the static-capacity all-to-all (`all_to_all_capacity`, design 0029): fixed
+  `C = round_up(ceil(--capacity-factor * T * k / N), 16)` rows per rank pair, no host sync; its row also prints the
+  share of routed copies dropped over capacity;
 - `deep_ep`: `ep=N` with DeepEP's normal mode (skipped, with the reason, when `deep_ep` does not import).
 
 `--dense-layouts` picks how the expert-parallel modes shard the dense domain (embedding, attention, router, norms,
@@ -32,15 +35,16 @@ multi-tensor Triton step (float32 parameters, so exactly AdamW's update; one lau
 per parameter); `torch` is `torch.optim.AdamW(foreach=False)`, the per-parameter loop of the first measurements.
 
 `--compile-layers` compiles every decoder layer's forward (`DecoderConfig.compile_layers`, Inductor on CUDA, `aot_eager`
-on CPU, where the smoke run checks the wiring, not speed) in every mode, the `fsdp` baseline and the 1-GPU row
-included, so compiled rows compare with compiled rows. Under EP each MoE layer's dispatch, local experts and combine
-stay eager (one graph break per layer: the exchange's split sizes are host lists, which compiled code would guard
-on; design 0025, third round), so the compiled regions are the norms, attention, router and residuals. Compilation
-happens in the first warm-up step, so keep `--warmup` at 3 or more (steps 2 and 3 then run warm); rows are labelled
-`-compiled`, and the compiled graphs are dropped between rows. `--kernels loss` swaps the small Triton kernels (RMSNorm,
-SwiGLU, RoPE, MoE permutation) for their eager references, which Inductor fuses with their neighbours, keeping the
-Triton fused loss (as `bench/trainer_step.py --kernels loss`, which beat the Triton kernels under whole-model compile
-in the single-GPU ablation, docs/benchmarks.md); `auto` (default) is detection.
+on CPU, where the smoke run checks the wiring, not speed) in every mode, the `fsdp` baseline and the 1-GPU row included,
+so compiled rows compare with compiled rows. Under EP each MoE layer's dispatch, local experts and combine stay eager
+(one graph break per layer: the exchange's split sizes are host lists, which compiled code would guard on; design 0025,
+third round), so the compiled regions are the norms, attention, router and residuals; under `ep_capacity` the exchange
+has static shapes and no host copy, so it is traced inside the layers (design 0029). Compilation happens in the first
+warm-up step, so keep `--warmup` at 3 or more (steps 2 and 3 then run warm); rows are labelled `-compiled`, and the
+compiled graphs are dropped between rows. `--kernels loss` swaps the small Triton kernels (RMSNorm, SwiGLU, RoPE, MoE
+permutation) for their eager references, which Inductor fuses with their neighbours, keeping the Triton fused loss (as
+`bench/trainer_step.py --kernels loss`, which beat the Triton kernels under whole-model compile in the single-GPU
+ablation, docs/benchmarks.md); `auto` (default) is detection.
 
 Per mode: after `--warmup` steps, `--steps` steps are timed (CUDA synchronised) and the row is printed at once (the
 slowest rank's median as tokens/s per GPU, the peak allocated memory of the most loaded rank). Only then do
@@ -52,6 +56,7 @@ time limit thus keeps every row timed so far. `--trace-dir` writes rank 0's gzip
 
     torchrun --nproc_per_node 4 bench/expert_parallel.py                       # fsdp, ep, deep_ep on 4 GPUs
     torchrun --nproc_per_node 2 bench/expert_parallel.py --modes fsdp ep
+    torchrun --nproc_per_node 2 bench/expert_parallel.py --modes fsdp ep ep_capacity --capacity-factor 2.0
     torchrun --nproc_per_node 1 bench/expert_parallel.py --modes fsdp          # the 1-GPU per-GPU figure
     torchrun --nproc_per_node 4 bench/expert_parallel.py --modes ep --dense-layouts layers whole
     torchrun --nproc_per_node 4 bench/expert_parallel.py --modes fsdp ep --dense-layouts whole --compile-layers
@@ -83,6 +88,8 @@ from anchor_models import MOE, MOE_BATCH, tiny
 from d9d.core.dist import DistributedContext, MeshDegrees
 from d9d.core.optim import StochasticAdamW
 from d9d.kernels.expert_dispatch import (
+    AllToAllCapacityDispatchConfig,
+    AllToAllCapacityDispatcher,
     AllToAllDispatchConfig,
     AllToAllDispatcher,
     AnyExpertDispatchConfig,
@@ -95,7 +102,7 @@ from d9d.parallel import FsdpConfig, MixedPrecisionConfig, clip_grad_norm_
 
 DISPATCH_RANGES = ("moe.dispatch", "moe.combine")
 # Backward of the token exchange: the autograd nodes of the all-to-all and DeepEP functions.
-BACKWARD_NODES = ("_AllToAllBackward", "_DispatchBackward", "_CombineBackward")
+BACKWARD_NODES = ("_AllToAllBackward", "_DispatchBackward", "_CombineBackward", "_GatherToSlotsBackward")
 # Kernel families by (lower-case) kernel name, first match wins; device time per step of each is reported.
 KERNEL_FAMILIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("a2a", ("sendrecv", "alltoall", "all_to_all", "deep_ep", "intranode")),
@@ -135,16 +142,21 @@ class Breakdown:
     device_seconds: dict[str, float]
 
 
-def dispatch_config(mode: str) -> AnyExpertDispatchConfig | None:
+MODES = ("fsdp", "ep", "ep_capacity", "deep_ep")
+
+
+def dispatch_config(mode: str, capacity_factor: float = 2.0) -> AnyExpertDispatchConfig | None:
     match mode:
         case "fsdp":
             return None
         case "ep":
             return AllToAllDispatchConfig()
+        case "ep_capacity":
+            return AllToAllCapacityDispatchConfig(capacity_factor=capacity_factor)
         case "deep_ep":
             return DeepEpDispatchConfig()
         case _:
-            raise ValueError(f"unknown mode {mode!r}; valid: fsdp, ep, deep_ep")
+            raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
 
 
 def data_parallel_config(layout: str, mixed: MixedPrecisionConfig | None) -> FsdpConfig:
@@ -186,7 +198,7 @@ def build_optimizer(model: torch.nn.Module, kind: str, device: torch.device) -> 
 
 def decoder_config(mode: str, args: argparse.Namespace, device: torch.device) -> DecoderConfig:
     """The model's run options: the mode's dispatch, `--grouped-mm`, `--kernels` and `--compile-layers`."""
-    options: dict[str, object] = {"expert_dispatch": dispatch_config(mode)}
+    options: dict[str, object] = {"expert_dispatch": dispatch_config(mode, args.capacity_factor)}
     if args.grouped_mm:
         options["grouped_mm"] = GROUPED_MM_CONFIG_ADAPTER.validate_json(args.grouped_mm)
     if args.compile_layers:
@@ -235,11 +247,7 @@ def build_step(
 
 def routing_imbalance(model: torch.nn.Module, device: torch.device) -> list[float] | None:
     """Per MoE layer, max over ranks / mean over ranks of the rows its experts received (all-to-all modes only)."""
-    layers: list[AllToAllDispatcher] = []
-    for module in model.modules():
-        dispatcher = getattr(module, "dispatcher", None)
-        if isinstance(dispatcher, AllToAllDispatcher):
-            layers.append(dispatcher)
+    layers = all_to_all_dispatchers(model)
     if not layers or not dist.is_initialized():
         return None
     received = torch.tensor([float(d.rows_received) for d in layers], device=device)
@@ -247,6 +255,28 @@ def routing_imbalance(model: torch.nn.Module, device: torch.device) -> list[floa
     dist.all_gather(gathered, received)
     stacked = torch.stack(gathered)
     return (stacked.max(dim=0).values / stacked.mean(dim=0).clamp(min=1.0)).tolist()
+
+
+def all_to_all_dispatchers(model: torch.nn.Module) -> list[AllToAllDispatcher | AllToAllCapacityDispatcher]:
+    found: list[AllToAllDispatcher | AllToAllCapacityDispatcher] = []
+    for module in model.modules():
+        dispatcher = getattr(module, "dispatcher", None)
+        if isinstance(dispatcher, AllToAllDispatcher | AllToAllCapacityDispatcher):
+            found.append(dispatcher)
+    return found
+
+
+def dropped_share(model: torch.nn.Module, device: torch.device) -> float | None:
+    """Copies dropped over capacity / copies routed, over every rank, layer and step so far (capacity mode only);
+    the counters are device tensors, read here once, after the timed steps."""
+    layers = [d for d in all_to_all_dispatchers(model) if isinstance(d, AllToAllCapacityDispatcher)]
+    if not layers or not dist.is_initialized():
+        return None
+    dropped = torch.stack([d.dropped_copies for d in layers]).sum().double().to(device)
+    sent = torch.stack([d.rows_received for d in layers]).sum().double().to(device)
+    both = torch.stack([dropped, sent])
+    dist.all_reduce(both)
+    return float(both[0] / (both[0] + both[1]).clamp(min=1.0))
 
 
 def synchronize(device: torch.device) -> None:
@@ -364,7 +394,13 @@ def emit(line: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--modes", nargs="+", default=["fsdp", "ep", "deep_ep"], choices=["fsdp", "ep", "deep_ep"])
+    parser.add_argument("--modes", nargs="+", default=["fsdp", "ep", "deep_ep"], choices=list(MODES))
+    parser.add_argument(
+        "--capacity-factor",
+        type=float,
+        default=2.0,
+        help="ep_capacity mode: rows per rank pair over the mean T * k / ep (design 0029)",
+    )
     parser.add_argument(
         "--dense-layouts",
         nargs="+",
@@ -436,6 +472,9 @@ def main() -> None:
             if imbalance is not None:
                 per_layer = " ".join(f"{value:.2f}" for value in imbalance)
                 emit(f"#   {label}: rows received, max/mean over ranks per MoE layer: {per_layer}")
+            dropped = dropped_share(model, ctx.device)
+            if dropped is not None:
+                emit(f"#   {label}: capacity factor {args.capacity_factor}, routed copies dropped: {dropped:.3%}")
             emit(f"<!-- {json.dumps(asdict(result))} -->")
             needed = (args.profile_steps + PROFILE_OVERHEAD_STEPS) * result.median_seconds + PROFILE_OVERHEAD_SECONDS
             left = args.budget_seconds - (time.monotonic() - started)

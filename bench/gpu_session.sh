@@ -15,6 +15,9 @@
 #              fsdp, ep whole and ep split compiled, then ep whole eager (ep4c's row) for comparison; ~8 minutes
 #   ep4dtests: compiled EP against eager EP on NCCL (Inductor; all_to_all float32, deep_ep bf16 where installed)
 #   ep4e     : issue 15 goal rows eager and compiled (--kernels loss): 1 GPU fsdp, then 4 GPUs fsdp and ep-whole
+#   ep2c     : design 0029, the static-capacity exchange on 2 GPUs: its NCCL no-sync test, 1 GPU fsdp, then fsdp,
+#              ep-whole (all-to-all) and ep_capacity-whole; compiled rows unless EP_COMPILED=0 (CAPACITY_FACTOR=2.0)
+#   ep4c2    : ep2c's rows on 4 GPUs (the issue's goal size)
 #   kerneltests: GPU tests in the pytest process (kernels at real sizes, models); run after forking parts
 #   compile  : tp2 x dp_shard2 with compiled layers, async TP off and on
 #   pipeline : pipeline schedules at pp=4 (PIPE_SCHEDULES), one launch each
@@ -164,6 +167,21 @@ for part in "$@"; do case $part in
       --budget-seconds 95
     run 0,1,2,3 160 ep.log $E --modes fsdp ep --dense-layouts whole --compile-layers --kernels loss --steps 8 \
       --warmup 4 --profile-steps 2 --budget-seconds 145 ;;
+  ep2c|ep4c2)  # design 0029: the sync-free static-capacity exchange (ep_capacity) beside the all-to-all (ep), both with
+         # the dense layout `whole`, after the 1-GPU figure and FSDP-only on the same GPUs; then the same compiled
+         # (--kernels loss) unless EP_COMPILED=0. Eager about 3 minutes on 2 GPUs, compiled rows about 3 more.
+    E=bench/expert_parallel.py; gpus=0,1; [ "$part" = ep4c2 ] && gpus=0,1,2,3
+    cf=${CAPACITY_FACTOR:-2.0}
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -m gpu \
+      tests/parallel/test_gpu_expert_dispatch_capacity.py 2>&1 | tee "$out/$part-tests.log" | tail -20 | cut -c1-300
+    run 0 90 ep.log $E --modes fsdp --steps 8 --warmup 3 --profile-steps 0
+    run $gpus 150 ep.log $E --modes fsdp ep ep_capacity --dense-layouts whole --capacity-factor "$cf" --steps 8 \
+      --warmup 3 --profile-steps 2 --budget-seconds 135
+    if [ "${EP_COMPILED:-1}" = 1 ]; then
+      run 0 110 ep.log $E --modes fsdp --compile-layers --kernels loss --steps 8 --warmup 4 --profile-steps 0
+      run $gpus 200 ep.log $E --modes fsdp ep ep_capacity --dense-layouts whole --capacity-factor "$cf" \
+        --compile-layers --kernels loss --steps 8 --warmup 4 --profile-steps 2 --budget-seconds 185
+    fi ;;
   ep4dtests)  # compiled decoder layers under EP on NCCL against the same run eager, no recompilation after step 1
     timeout 240 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -m gpu \
       tests/models/test_gpu_expert_parallel_compiled.py 2>&1 | tee "$out/ep4d-tests.log" | tail -40 | cut -c1-300 ;;

@@ -1,9 +1,12 @@
-"""Expert dispatch behind one interface: all-to-all (reference, gloo and NCCL) and DeepEP (optional)."""
+"""Expert dispatch behind one interface: all-to-all (reference, gloo and NCCL), all-to-all with a static capacity
+(no host sync) and DeepEP (optional)."""
 
 from d9d.kernels.expert_dispatch.all_to_all import AllToAllDispatcher, all_to_all
 from d9d.kernels.expert_dispatch.api import DispatchedTokens, TokenDispatcher, mark_row_count_dynamic, split_experts
+from d9d.kernels.expert_dispatch.capacity import AllToAllCapacityDispatcher, pair_capacity
 from d9d.kernels.expert_dispatch.config import (
     EXPERT_DISPATCH_CONFIG_ADAPTER,
+    AllToAllCapacityDispatchConfig,
     AllToAllDispatchConfig,
     AnyExpertDispatchConfig,
     DeepEpDispatchConfig,
@@ -24,6 +27,8 @@ from d9d.kernels.expert_dispatch.sorting import (
 
 __all__ = [
     "EXPERT_DISPATCH_CONFIG_ADAPTER",
+    "AllToAllCapacityDispatchConfig",
+    "AllToAllCapacityDispatcher",
     "AllToAllDispatchConfig",
     "AllToAllDispatcher",
     "AnyExpertDispatchConfig",
@@ -40,6 +45,7 @@ __all__ = [
     "gather_sorted_rows",
     "import_deep_ep",
     "mark_row_count_dynamic",
+    "pair_capacity",
     "permute_rows",
     "resolve_expert_dispatch_config",
     "sort_by_expert",

@@ -108,6 +108,7 @@ class AllToAllDispatcher:
     """`TokenDispatcher` over `group` (the `ep` ranks): rank `r` owns experts `[r * E/ep, (r + 1) * E/ep)`."""
 
     name = "all_to_all"
+    traceable = False
 
     def __init__(self, group: dist.ProcessGroup, num_experts: int) -> None:
         self.group = group

@@ -10,7 +10,10 @@ import torch
 
 @dataclass(frozen=True)
 class DispatchedTokens:
-    """What this rank's local experts receive: `rows` `(N, H)` sorted by local expert, `group_sizes` `(E_local,)`.
+    """What this rank's local experts receive: `rows` `(N, H)` sorted by local expert, `group_sizes` `(E_local,)`
+    summing to at most `N`. A fixed-size exchange (`all_to_all_capacity`) ends `rows` with padding rows (zeros)
+    after the last group; the grouped matmuls skip them (`GroupedMm`) and `combine` never reads their outputs, so
+    they add nothing to any result or gradient.
 
     `handle` is the implementation's bookkeeping to bring the rows back in `combine`; treat it as opaque.
     """
@@ -28,14 +31,19 @@ class TokenDispatcher(Protocol):
     dispatched)`: the expert outputs (same order as `dispatched.rows`) come back, are weighted by the combine weights
     and summed per token, `(T, H)`. Both are differentiable (rows, `x` and the combine weights).
 
-    Under `torch.compile` both are graph breaks (`eager_only`, i.e. `torch.compiler.disable`): they copy counts to
+    Under `torch.compile` the all-to-all and DeepEP dispatchers' `dispatch` and `combine` are graph breaks
+    (`eager_only`, i.e. `torch.compiler.disable`): they copy counts to
     the host and pass them to collectives as Python lists, which Dynamo would bake into guards (a recompilation for
     every new routing). Code compiled between them sees `rows` with a dynamic first dimension
-    (`mark_row_count_dynamic`), so it compiles once for every row count.
+    (`mark_row_count_dynamic`), so it compiles once for every row count. `all_to_all_capacity` has static shapes and
+    no host copy, so Dynamo traces it (functional collectives).
     """
 
     name: str
     num_local_experts: int
+    # True where `dispatch` and `combine` compile without a graph break (static shapes, no host copy): a compiled
+    # caller (the MoE layer) may then trace them instead of keeping the exchange eager.
+    traceable: bool
 
     def dispatch(
         self, x: torch.Tensor, expert_indices: torch.Tensor, expert_weights: torch.Tensor

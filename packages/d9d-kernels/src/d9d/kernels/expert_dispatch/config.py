@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 from d9d.kernels.capability import Capabilities, detect_capabilities
 from d9d.kernels.expert_dispatch.all_to_all import AllToAllDispatcher
 from d9d.kernels.expert_dispatch.api import TokenDispatcher
+from d9d.kernels.expert_dispatch.capacity import DEFAULT_CAPACITY_FACTOR, AllToAllCapacityDispatcher
 from d9d.kernels.expert_dispatch.deep_ep import DeepEpDispatcher
 from d9d.kernels.selection import resolve_backend_config
 
@@ -22,6 +23,23 @@ class AllToAllDispatchConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     kind: Literal["all_to_all"] = "all_to_all"
+
+
+class AllToAllCapacityDispatchConfig(BaseModel):
+    """`all_to_all_single` with a fixed capacity per (source, destination) rank pair: no host sync, so the GPU
+    queue never drains at an MoE layer; copies beyond the capacity are dropped (design 0029). Any device and
+    backend; every rank of the group must dispatch the same number of tokens. Never picked by detection (it can
+    drop copies): ask for it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    kind: Literal["all_to_all_capacity"] = "all_to_all_capacity"
+    capacity_factor: float = Field(
+        default=DEFAULT_CAPACITY_FACTOR,
+        gt=0,
+        allow_inf_nan=False,
+        description="rows each rank sends each rank, over the mean T * k / ep (rounded up to 16); 2.0 covers the "
+        "anchor's measured busiest rank (1.59x the mean) with margin",
+    )
 
 
 class DeepEpDispatchConfig(BaseModel):
@@ -37,7 +55,9 @@ class DeepEpDispatchConfig(BaseModel):
     max_dispatch_tokens_per_rank: int = Field(default=128, gt=0, description="low-latency mode's per-rank limit")
 
 
-AnyExpertDispatchConfig = Annotated[AllToAllDispatchConfig | DeepEpDispatchConfig, Field(discriminator="kind")]
+AnyExpertDispatchConfig = Annotated[
+    AllToAllDispatchConfig | AllToAllCapacityDispatchConfig | DeepEpDispatchConfig, Field(discriminator="kind")
+]
 EXPERT_DISPATCH_CONFIG_ADAPTER: TypeAdapter[AnyExpertDispatchConfig] = TypeAdapter(AnyExpertDispatchConfig)
 
 
@@ -82,6 +102,8 @@ def build_token_dispatcher(
     match resolved:
         case AllToAllDispatchConfig():
             return AllToAllDispatcher(group, num_experts)
+        case AllToAllCapacityDispatchConfig():
+            return AllToAllCapacityDispatcher(group, num_experts, resolved.capacity_factor)
         case DeepEpDispatchConfig():
             return DeepEpDispatcher(
                 group,

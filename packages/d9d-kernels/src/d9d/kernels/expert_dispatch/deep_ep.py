@@ -102,6 +102,7 @@ class DeepEpDispatcher:
     """`TokenDispatcher` over DeepEP on the NCCL `group` (one host, NVLink between its GPUs, for normal mode)."""
 
     name = "deep_ep"
+    traceable = False
 
     def __init__(
         self,

@@ -11,8 +11,13 @@ class GroupedMm(Protocol):
     """`out[rows of group e] = x[rows of group e] @ weight[e].T`.
 
     `x` is `(N, K)` with its rows sorted by group; `weight` is `(E, M, K)` (the `nn.Linear` layout, stacked);
-    `group_sizes` is `(E,)` integer, summing to `N` (empty groups allowed). Returns `(N, M)` in `x`'s dtype.
+    `group_sizes` is `(E,)` integer, summing to at most `N` (empty groups allowed). Returns `(N, M)` in `x`'s dtype.
     Differentiable with respect to `x` and `weight`.
+
+    Rows past the sum of `group_sizes` are padding (the fixed-size buffer of `all_to_all_capacity`, design 0029): no
+    group owns them, they are not computed and do not enter the weight gradient, and their output rows and
+    input-gradient rows are unspecified (`torch`, `triton`: left unwritten; `eager`, `grouped_gemm`: zeros). A caller
+    that pads must not read them.
     """
 
     name: str

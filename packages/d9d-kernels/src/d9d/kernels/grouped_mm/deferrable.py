@@ -37,8 +37,10 @@ def _eager_input(grad: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Te
 
 def _eager_weight(grad: torch.Tensor, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
     sizes = [int(size) for size in group_sizes.tolist()]
+    total = sum(sizes)  # rows past it are padding (GroupedMm): outside every group
     out = grad.new_zeros(len(sizes), grad.shape[1], x.shape[1])
-    for group, (rows_grad, rows_x) in enumerate(zip(torch.split(grad, sizes), torch.split(x, sizes), strict=True)):
+    groups = zip(torch.split(grad[:total], sizes), torch.split(x[:total], sizes), strict=True)
+    for group, (rows_grad, rows_x) in enumerate(groups):
         if rows_grad.shape[0]:
             out[group] = rows_grad.t() @ rows_x
     return out

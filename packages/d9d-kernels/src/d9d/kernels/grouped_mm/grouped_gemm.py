@@ -33,5 +33,10 @@ class GroupedGemm:
         check_grouped(x, weight, group_sizes)
         # The extension wants the group sizes as an int64 CPU tensor, and weight (E, M, K) with trans_b.
         sizes = group_sizes.to(device="cpu", dtype=torch.int64)
-        out: torch.Tensor = self._ops.gmm(x, weight, sizes, trans_b=True)
-        return out
+        total = int(sizes.sum())
+        if total == x.shape[0]:
+            out: torch.Tensor = self._ops.gmm(x, weight, sizes, trans_b=True)
+            return out
+        # Padding rows past the groups (GroupedMm): the extension wants every row in a group; they get zeros.
+        valid: torch.Tensor = self._ops.gmm(x[:total], weight, sizes, trans_b=True)
+        return torch.cat([valid, valid.new_zeros(x.shape[0] - total, valid.shape[1])])

@@ -99,6 +99,14 @@ class MoELayer(nn.Module):
             self.shared_experts.reset_parameters()
         self.reset_load()
 
+    @property
+    def exchange_dropped_copies(self) -> torch.Tensor | None:
+        """Routed copies the expert-parallel exchange dropped over its capacity, summed since its dispatcher was built
+        (`all_to_all_capacity`; a device tensor, so log it when metrics are read: reading it synchronises), or None
+        where the exchange has no capacity of its own."""
+        dropped = getattr(self.dispatcher, "dropped_copies", None)
+        return dropped if isinstance(dropped, torch.Tensor) else None
+
     def reset_load(self) -> None:
         with torch.no_grad():
             self.tokens_per_expert.zero_()
@@ -116,6 +124,8 @@ class MoELayer(nn.Module):
             expert_rows = self.experts(permuted.rows, permuted.group_sizes)
             out = unpermute_tokens(expert_rows, permuted, routing.expert_weights)
             self._record_load(routed)
+        elif self.dispatcher.traceable:  # static shapes, no host copy: compiled layers include the exchange
+            out = self._exchange(flat, indices, routing.expert_weights, routed)
         else:
             out = self._exchange_through_experts(flat, indices, routing.expert_weights, routed)
         if self.shared_experts is not None:
@@ -133,7 +143,13 @@ class MoELayer(nn.Module):
         new routing); the experts' row count depends on the routing too, their parameters are swapped for
         compute-dtype copies by a hook (efsdp = 1) or all-gathered by their own FSDP unit (efsdp > 1), and they
         launch only three grouped GEMMs and a SwiGLU. Everything before (norms, attention, router) and after
-        (shared experts, residual) stays in the compiled graphs."""
+        (shared experts, residual) stays in the compiled graphs. A `traceable` dispatcher (`all_to_all_capacity`)
+        skips this wrapper: `forward` calls `_exchange` directly (design 0029)."""
+        return self._exchange(flat, indices, weights, routed)
+
+    def _exchange(
+        self, flat: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, routed: torch.Tensor
+    ) -> torch.Tensor:
         assert self.dispatcher is not None
         # Named ranges, so a profile shows the share of a step spent moving tokens (bench/expert_parallel.py).
         with record_function("moe.dispatch"):
