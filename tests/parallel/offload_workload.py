@@ -103,6 +103,21 @@ def _optimizer_provider(bf16: bool) -> Callable[[nn.Module], Optimizer]:
     return provide
 
 
+_contexts_built = 0
+
+
+def _next_master_port() -> None:
+    """Rendezvous each of a rank's successive contexts on its own port (the harness's port + the count so far; every
+    rank builds them in the same order). On NCCL ranks the GPU test hung or failed at the second context's first
+    all-gather (rank 1: "connect to <rank 0> refused", in NCCL's bootstrap), as if rank 1 had read the first
+    context's NCCL id from rank 0's first store server, which lives on while anything (a DeviceMesh held by a
+    not-yet-collected model) references the old group. Suspected, not yet confirmed on a GPU (docs/testing.md)."""
+    global _contexts_built
+    base = int(os.environ.setdefault("D9D_TEST_BASE_MASTER_PORT", os.environ["MASTER_PORT"]))
+    os.environ["MASTER_PORT"] = str(base + _contexts_built)
+    _contexts_built += 1
+
+
 def train(
     config: AnyDataParallelConfig,
     *,
@@ -116,6 +131,8 @@ def train(
 ) -> dict[str, Any]:
     """Train on this rank's share of the job; returns per-step losses and norms, final full parameters, and where the
     parameters, gradients and optimizer state lived."""
+    if device == "cuda":
+        _next_master_port()
     ctx = DistributedContext.build(degrees or MeshDegrees(dp_shard=-1), device=device)
     events, norms = EventBus(), {}
     events.subscribe(StepFinished, lambda event: norms.__setitem__(event.step, event.metrics["grad_norm"]))

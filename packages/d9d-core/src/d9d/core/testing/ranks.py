@@ -203,12 +203,18 @@ def run_on_ranks(
                 finally:
                     os._exit(code)
             pids[rank] = pid
-        return _collect(pids, workdir, timeout_seconds)
+        exit_codes: dict[int, int] = {}  # the reaped ranks, filled by _collect
+        try:
+            return _collect(pids, exit_codes, workdir, timeout_seconds)
+        except BaseException:
+            # Interrupted (Ctrl-C, `timeout -s INT`) while waiting: no rank may outlive the call. An orphaned rank
+            # would keep the terminal's pipe open (a `| tee` never ends) and its GPU and ports taken.
+            _dump_and_kill(pids, exit_codes, workdir)
+            raise
 
 
-def _collect(pids: dict[int, int], workdir: Path, timeout_seconds: float) -> list[Any]:
+def _collect(pids: dict[int, int], exit_codes: dict[int, int], workdir: Path, timeout_seconds: float) -> list[Any]:
     deadline = time.monotonic() + timeout_seconds
-    exit_codes: dict[int, int] = {}
     first_failure_at: float | None = None
     reported: set[int] = set()  # live ranks whose written outcome was read (it does not change)
     timed_out = False
