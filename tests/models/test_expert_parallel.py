@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from d9d.core.checkpoint import JobCheckpointer, ModelAndOptimizer
 from d9d.core.dist import DistributedContext, MeshDegrees
 from d9d.kernels.expert_dispatch import AllToAllCapacityDispatchConfig, AllToAllCapacityDispatcher, AllToAllDispatcher
+from d9d.models import DecoderConfig
 from d9d.models.blocks.moe import MoELayer
 from d9d.models.qwen3 import parallelize_qwen3_moe
 from d9d.parallel import FsdpConfig, HsdpConfig, ReplicateConfig
@@ -302,26 +303,32 @@ def test_expert_parallel_with_compiled_layers_matches_eager_single_process_and_c
     # residual) may accumulate in another order, on top of EP's own reordering of the sums (module docstring).
     # Measured: losses 1.0e-7 relative, grad norms 9.2e-8, parameters 8.1e-7 absolute (Inductor: 1.0e-7, 1.8e-7,
     # 6.2e-6).
+    compiled = EAGER.model_copy(update={"compile_layers": True, "compile_backend": "aot_eager"})
+    _train_compiled_like_single_process(compiled, DENSE_LAYOUTS[dense_layout], only_break="_exchange_through_experts")
+
+
+def _train_compiled_like_single_process(compiled: DecoderConfig, dense_layout: FsdpConfig, *, only_break: str) -> None:
+    """ep=2 over dp_shard=2 with `compiled` layers for COMPILED_STEPS: graphs compiled in the first step only (a
+    guard failing on new split sizes, or anything else, raises from the second step on), every graph break's reason
+    naming `only_break`, and the training of one eager process at the eager EP test's tolerances."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
-    compiled = EAGER.model_copy(update={"compile_layers": True, "compile_backend": "aot_eager"})
-    ctx, model, sync = _parallel(MeshDegrees(dp_shard=2, ep=2), DENSE_LAYOUTS[dense_layout], compiled)
+    ctx, model, sync = _parallel(MeshDegrees(dp_shard=2, ep=2), dense_layout, compiled)
     assert all(getattr(layer, "d9d_compiled", False) for layer in model.model.layers.values())
     optimizer = optimizer_for(model)
     trace = Trace()
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
         train(model, optimizer, range(1), ctx=ctx, sync=sync, trace=trace)
         graphs_after_first_step = counters["stats"]["unique_graphs"]
-        # From the second step on, a guard failing on new split sizes (or anything else) raises instead.
         with torch._dynamo.config.patch(error_on_recompile=True):
             train(model, optimizer, range(1, COMPILED_STEPS), ctx=ctx, sync=sync, trace=trace)
     assert graphs_after_first_step > 0, "nothing was compiled"
     assert counters["stats"]["unique_graphs"] == graphs_after_first_step, "steps 2.. compiled new graphs"
     breaks = dict(counters["graph_break"])
-    assert breaks and all("_exchange_through_experts" in reason for reason in breaks), f"graph breaks: {breaks}"
+    assert breaks and all(only_break in reason for reason in breaks), f"graph breaks: {breaks}"
     reference, reference_trace = _reference(range(COMPILED_STEPS))
     _assert_same_training(trace, reference_trace)
     _assert_same_parameters(model, reference)
@@ -335,27 +342,8 @@ def test_static_capacity_exchange_compiles_inside_the_layers_and_trains_like_sin
     # breaks left are the CPU's eager grouped matmul (`eager_only`, a host loop; `torch._grouped_mm`'s tracing
     # wants bf16, which this float32 parity cannot use; on GPUs the experts trace too). aot_eager, for the reason
     # the test above gives; tolerances are the eager EP test's.
-    import torch._dynamo
-    from torch._dynamo.utils import counters
-
-    torch._dynamo.reset()
-    counters.clear()
     dispatch = AllToAllCapacityDispatchConfig(capacity_factor=2.0)
     options = {"compile_layers": True, "compile_backend": "aot_eager", "expert_dispatch": dispatch}
     # Checkpointed: the recomputation in backward runs the compiled exchange again (its collectives pair up).
     compiled = EAGER.model_copy(update=options | {"activation_checkpointing": checkpointed})
-    ctx, model, sync = _parallel(MeshDegrees(dp_shard=2, ep=2), DENSE_LAYOUTS["whole"], compiled)
-    optimizer = optimizer_for(model)
-    trace = Trace()
-    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-        train(model, optimizer, range(1), ctx=ctx, sync=sync, trace=trace)
-        graphs_after_first_step = counters["stats"]["unique_graphs"]
-        with torch._dynamo.config.patch(error_on_recompile=True):
-            train(model, optimizer, range(1, COMPILED_STEPS), ctx=ctx, sync=sync, trace=trace)
-    assert graphs_after_first_step > 0, "nothing was compiled"
-    assert counters["stats"]["unique_graphs"] == graphs_after_first_step, "steps 2.. compiled new graphs"
-    breaks = dict(counters["graph_break"])
-    assert breaks and all("EagerGroupedMm" in reason for reason in breaks), f"graph breaks: {breaks}"
-    reference, reference_trace = _reference(range(COMPILED_STEPS))
-    _assert_same_training(trace, reference_trace)
-    _assert_same_parameters(model, reference)
+    _train_compiled_like_single_process(compiled, DENSE_LAYOUTS["whole"], only_break="EagerGroupedMm")
