@@ -40,6 +40,7 @@ def main() -> int:
     parser.add_argument("--one-after-the-other", action="store_true", help="the old order (to compare wall times)")
     args, pytest_args = parser.parse_known_args()
     base = Path(os.environ.get("TOX_ENV_DIR") or tempfile.gettempdir()) / "tmp" / "test-halves"
+    base.mkdir(parents=True, exist_ok=True)  # pytest makes `--basetemp` itself, not its parents
     lock = threading.Lock()
     codes: dict[str, int] = {}
     processes: list[subprocess.Popen[bytes]] = []
