@@ -35,7 +35,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -222,9 +221,7 @@ def inject(kind: str, work: Path, rng: random.Random) -> tuple[str, bool | None]
             raise ValueError(f"unknown fault kind {other!r}; valid: {', '.join(KINDS)}")
 
 
-def run_trial(kind: str, root: Path, number: int, reference: Callable[[], str], rng: random.Random) -> Trial:
-    """One trial; `reference()` gives the fault-free run's digest (waiting for that run, which runs beside the
-    first trial)."""
+def run_trial(kind: str, root: Path, number: int, reference: str, rng: random.Random) -> Trial:
     started = time.monotonic()
     work = root / f"trial-{number:04d}"
     work.mkdir()
@@ -236,7 +233,7 @@ def run_trial(kind: str, root: Path, number: int, reference: Callable[[], str], 
     code = _run(work)
     final = work / "final.sha256"
     trial.recovered = code == 0 and final.is_file()
-    trial.lost_data = not trial.recovered or final.read_text().strip() != reference()
+    trial.lost_data = not trial.recovered or final.read_text().strip() != reference
     if kind in ("truncate-checkpoint", "flip-checkpoint-state"):
         refused = "trying the previous complete one" in _log(work)
     trial.corrupt_accepted = refused is False
@@ -324,25 +321,15 @@ def main() -> int:
     rng = random.Random(args.seed)
     started = time.monotonic()
 
-    # The fault-free run starts first and runs beside the first trial (whose processes are told apart by their work
-    # directories): it is needed only when a trial's result is compared. Most of a launch is one core importing
-    # torch, so the two overlap well on 2 cores.
-    clean = root / "reference"
-    reference_run = None
+    reference = ""
     if any(kind in KINDS for kind in args.kinds):
+        clean = root / "reference"
         clean.mkdir(exist_ok=True)
         make_shards(clean / "shards")
-        reference_run = _start(clean)
-    digest: list[str] = []
-
-    def reference() -> str:
-        if not digest:
-            assert reference_run is not None
-            if _wait(reference_run) != 0:
-                print(_log(clean)[-4000:], file=sys.stderr)
-                raise SystemExit("the fault-free reference run failed")
-            digest.append((clean / "final.sha256").read_text().strip())
-        return digest[0]
+        if _run(clean) != 0:
+            print(_log(clean)[-4000:], file=sys.stderr)
+            raise SystemExit("the fault-free reference run failed")
+        reference = (clean / "final.sha256").read_text().strip()
 
     kinds = list(args.kinds)
     pipeline_reference, pipeline_seconds = "", 0.0
@@ -376,8 +363,6 @@ def main() -> int:
             args.json.write_text(json.dumps([asdict(record) for record in trials], indent=1))
         flags = "ok" if trial.recovered and not (trial.lost_data or trial.corrupt_accepted or trial.orphans) else "BAD"
         print(f"[{done + 1}/{args.trials}] {kind}: {trial.detail} -> {flags} ({trial.seconds} s) {trial.note}")
-    if reference_run is not None:
-        reference()  # waited for (and checked) even when no trial compared with it
     minutes = (time.monotonic() - started) / 60
     summary = table(trials)
     print(summary)
