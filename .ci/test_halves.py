@@ -36,7 +36,9 @@ def _relay(name: str, stream: IO[bytes], lock: threading.Lock) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )  # every other argument is pytest's, abbreviations of this one included
     parser.add_argument("--one-after-the-other", action="store_true", help="the old order (to compare wall times)")
     args, pytest_args = parser.parse_known_args()
     base = Path(os.environ.get("TOX_ENV_DIR") or tempfile.gettempdir()) / "tmp" / "test-halves"
