@@ -2,6 +2,7 @@
 
 import json
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -246,3 +247,33 @@ def test_a_same_size_corrupt_shard_is_rebuilt_by_the_next_run_and_refused_by_rea
     repaired = _run(config)
     assert repaired.status == "ran" and "corrupt token shards" in repaired.reason and shard.name in repaired.reason
     assert TokenShardSet(shard.parent).num_documents > 0
+
+
+MAIN_MODULE = """
+import os, sys
+from pathlib import Path
+
+with open(os.environ["MAIN_IMPORTS"], "a") as log:  # once per process that runs this file
+    log.write(f"{os.getpid()}\\n")
+if __name__ == "__main__":
+    from d9d.flows.jobs.config import JobConfig
+    from d9d.flows.jobs.data_prep import prepare_data
+
+    config = JobConfig.model_validate_json(Path(sys.argv[1]).read_text()).resolved(Path(sys.argv[2]))
+    print(prepare_data(config.data_prep, config.data_prep_output).status)
+"""
+
+
+def test_tokenizer_workers_do_not_run_the_callers_main_module(tmp_path, corpus_dir):
+    # Worker processes would import the parent's main module before their task; for `d9d` that is the whole CLI
+    # (Prefect included), seconds per pool. Here the main module logs every process that runs it.
+    script, job, imports = tmp_path / "main.py", tmp_path / "job.json", tmp_path / "imports.txt"
+    script.write_text(MAIN_MODULE)
+    job.write_text(json.dumps(small_job(tmp_path, corpus_dir, workers=2)))
+    env = {**os.environ, "MAIN_IMPORTS": str(imports)}
+    command = [sys.executable, str(script), str(job), str(tmp_path)]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 0, err[-3000:]
+    assert out.split()[-1] == "ran"  # the tokenizer was trained in a worker, the text tokenized by two
+    assert imports.read_text().split() == [str(process.pid)]  # the main process alone ran the main module

@@ -87,6 +87,43 @@ def test_a_stop_signal_stops_every_rank_after_it_checkpoints_then_reaches_the_pr
     assert not any(psutil.pid_exists(pid) for pid in _rank_pids(tmp_path))
 
 
+class _Termination(BaseException):
+    """Stands for Prefect's `TerminationSignal` (a BaseException carrying the signal number)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signal = signum
+
+
+def _prefects_handler(signum, frame):
+    raise _Termination(signum)
+
+
+_prefects_handler.__module__ = "prefect.utilities.engine"  # how the launcher recognises Prefect's SIGTERM bridge
+
+
+def test_prefects_sigterm_handler_stays_installed_and_its_exception_stops_every_rank_gracefully(tmp_path):
+    # Prefect acknowledges a worker's cancel request only while its handler is installed (then the flow run ends
+    # Cancelled, not Crashed): the launch leaves it in place, stops the ranks when it raises, then re-raises it.
+    installed = []
+
+    def progress(record):
+        installed.append(signal.getsignal(signal.SIGTERM))
+
+    old = signal.signal(signal.SIGTERM, _prefects_handler)
+    try:
+        _signal_when_ranks_run(tmp_path, signal.SIGTERM)
+        with pytest.raises(_Termination) as raised:
+            launch(_spec(tmp_path, "wait"), on_progress=progress)
+        assert signal.getsignal(signal.SIGTERM) is _prefects_handler
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert raised.value.signal == signal.SIGTERM
+    assert installed and all(handler is _prefects_handler for handler in installed)
+    assert sorted(path.name for path in tmp_path.glob("rank-*.stopped")) == ["rank-0.stopped", "rank-1.stopped"]
+    assert not any(psutil.pid_exists(pid) for pid in _rank_pids(tmp_path))
+
+
 def test_ranks_that_ignore_sigterm_are_killed_after_the_grace_period(tmp_path):
     old = signal.signal(signal.SIGTERM, lambda *_: None)
     try:

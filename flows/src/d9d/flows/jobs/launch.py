@@ -150,6 +150,8 @@ def launch(
                 # Also when the pump is interrupted (an exception from another signal handler, e.g. Prefect's).
                 stopper.stop_all(output_ended=output_ended)
         code = process.wait()
+    if stopper.interrupt is not None:
+        raise stopper.interrupt  # to Prefect's engine, which ends the flow run Cancelled (or to the caller)
     if stopper.signum is not None:
         name = signal.Signals(stopper.signum).name
         stopper.redeliver()
@@ -181,11 +183,16 @@ def _pump(
     reader = threading.Thread(target=read, name="d9d-launch-reader", daemon=True)
     reader.start()
     while True:
-        stopper.watch()
         try:
-            line = lines.get(timeout=0.2)
-        except queue.Empty:
-            continue
+            stopper.watch()
+            try:
+                line = lines.get(timeout=0.2)
+            except queue.Empty:
+                continue
+        except BaseException as error:
+            if stopper.caught(error):  # the ranks are stopping: keep reading until they have written their last
+                continue
+            raise
         if line is None:
             break
         stopper.read(line)
@@ -203,6 +210,14 @@ def _pump(
         if on_line is not None:
             on_line(line.rstrip("\n"))
     reader.join(timeout=5)
+
+
+def keeps_its_handler(handler: object) -> bool:
+    """Whether a stop signal's installed `handler` stays in place while a launch runs: Prefect's SIGTERM bridge
+    (`prefect.utilities.engine`, recognised by its module: no Prefect import here). Prefect acknowledges its runner's
+    cancel intent only while that handler is installed, and only then reports a cancelled flow run Cancelled rather
+    than Crashed; it raises `TerminationSignal`, which the launch then treats as the stop signal."""
+    return callable(handler) and str(getattr(handler, "__module__", "")).startswith("prefect.")
 
 
 def redeliver_signal(signum: int, previous: Any) -> None:
@@ -231,6 +246,7 @@ class _Stopper:
         self._deadline: float | None = None
         self._previous: dict[int, Any] = {}
         self.signum: int | None = None
+        self.interrupt: BaseException | None = None  # raised by a handler left in place (Prefect's)
         self._last_scan = 0.0
 
     # Signals ---------------------------------------------------------------------------------------------------
@@ -245,6 +261,16 @@ class _Stopper:
             self._deadline = time.monotonic() + self._grace
             self._scan()
             self._ask_to_stop()
+
+    def caught(self, error: BaseException) -> bool:
+        """Whether `error`, raised while the output is pumped, is a stop to carry out gracefully (recorded, and the
+        ranks asked to stop as for a signal): the first interrupt that is not an `Exception` (Prefect's
+        `TerminationSignal` from its SIGTERM handler, KeyboardInterrupt) is; a crash or a second interrupt is not."""
+        if isinstance(error, Exception) or self.signum is not None or self.interrupt is not None:
+            return False
+        self.interrupt = error
+        self.on_signal(int(getattr(error, "signal", signal.SIGTERM)), None)
+        return True
 
     def redeliver(self) -> None:
         """Hand the stop signal to the handler that was there before (Prefect's, the CLI's, or the default)."""
@@ -365,7 +391,8 @@ class _Forwarding:
         if threading.current_thread() is not threading.main_thread():
             return  # signals reach only the main thread; a caller elsewhere stops us by its own means
         for signum in self._signals:
-            self._stopper._previous[signum] = signal.signal(signum, self._stopper.on_signal)
+            if not keeps_its_handler(signal.getsignal(signum)):
+                self._stopper._previous[signum] = signal.signal(signum, self._stopper.on_signal)
 
     def __exit__(self, *exc: object) -> None:
         for signum, previous in self._stopper._previous.items():

@@ -204,9 +204,14 @@ def packed_loader(
     order: AnySampleOrderConfig,
     epochs: int | None,
 ) -> DataParallelLoader[PackedSequence]:
-    """Packed rows of a token-shard set, this data-parallel rank's share of each global batch."""
+    """Packed rows of a token-shard set, this data-parallel rank's share of each global batch.
+
+    On CUDA ranks the batches come in pinned host memory, so that `_on`'s non-blocking copies overlap the GPU's work;
+    on CPU ranks pinning would only hold memory (and needs CUDA)."""
     dataset = PackedTokenDataset(shards, seq_len=seq_len)
-    config = DataLoaderConfig(global_batch_size=global_batch_rows, order=order, epochs=epochs)
+    config = DataLoaderConfig(
+        global_batch_size=global_batch_rows, order=order, epochs=epochs, pin_memory=ctx.device_type == "cuda"
+    )
     return build_data_loader(
         config,
         dataset,

@@ -7,9 +7,12 @@ with the key it was made for, so an attempt that fails part-way loses nothing: t
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import platform
+import sys
 import time
+import types
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
@@ -301,7 +304,8 @@ def _train_in_a_worker(plan: DataPrepPlan, path: Path, progress: Progress) -> No
         with ProcessPoolExecutor(
             max_workers=1, mp_context=context, initializer=_TrainingCounter.share, initargs=(documents_read, all_read)
         ) as executor:
-            training = executor.submit(train_tokenizer_file, plan, path)
+            with _workers_skip_the_main_module():  # the worker starts here
+                training = executor.submit(train_tokenizer_file, plan, path)
             while not training.done():
                 wait([training], timeout=_TRAINING_POLL_SECONDS)
                 read = int(documents_read.value)
@@ -404,6 +408,23 @@ def _worker_context() -> multiprocessing.context.BaseContext:
     return context
 
 
+@contextlib.contextmanager
+def _workers_skip_the_main_module() -> Iterator[None]:
+    """While pool workers start, `__main__` is a bare module, so that they do not run the caller's main module.
+
+    A fork-server (or spawned) worker first imports the parent's main module (`python -m d9d.flows.cli`, the `d9d`
+    script, Prefect's `prefect.engine`), in case a task was defined there: for the CLI that is Prefect and the whole
+    of d9d-flows, 3-5 s of a core per pool, and a stage starts up to two pools. The tasks here are d9d functions and
+    never need it. Only worker start-up sees the swap: the pool starts its workers in `submit`, in this thread.
+    """
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
+
+
 def _item_key(item: WorkItem, tokenizer: TokenizerInfo, checksums: dict[str, str]) -> str:
     return digest_json(
         {
@@ -454,7 +475,8 @@ def _tokenize(
 
     futures: dict[Future[ItemResult], WorkItem] = {}
     try:
-        futures = {executor.submit(tokenize_item, item): item for item in pending}
+        with _workers_skip_the_main_module():  # the workers start here
+            futures = {executor.submit(tokenize_item, item): item for item in pending}
         waiting = set(futures)
         while waiting:
             done, waiting = wait(waiting, return_when=FIRST_COMPLETED)

@@ -14,7 +14,7 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Any, Protocol
 
-from d9d.flows.jobs.launch import PROGRESS_PREFIX, LaunchSpec, redeliver_signal
+from d9d.flows.jobs.launch import PROGRESS_PREFIX, LaunchSpec, keeps_its_handler, redeliver_signal
 
 ProgressCallback = Callable[[dict[str, Any]], None]
 LineCallback = Callable[[str], None]
@@ -153,7 +153,7 @@ class StopSignals:
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
             for signum in self._signals:
-                if not _keeps_its_handler(signal.getsignal(signum)):
+                if not keeps_its_handler(signal.getsignal(signum)):
                     self._previous[signum] = signal.signal(signum, self._on_signal)
         return self
 
@@ -187,8 +187,3 @@ class StopSignals:
             raise self.interrupt
         assert self.signum is not None
         redeliver_signal(self.signum, self._previous.get(self.signum))
-
-
-def _keeps_its_handler(handler: object) -> bool:
-    """Prefect's SIGTERM bridge (`prefect.utilities.engine`), recognised by its module: no Prefect import here."""
-    return callable(handler) and str(getattr(handler, "__module__", "")).startswith("prefect.")

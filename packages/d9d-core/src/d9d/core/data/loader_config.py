@@ -53,7 +53,15 @@ class DataLoaderConfig(BaseModel):
     uneven: UnevenPolicy = "drop"
     epochs: int | None = Field(default=None, ge=1, description="epochs per iteration; None: endless")
     num_workers: int = Field(default=0, ge=0)
-    pin_memory: bool = False
+    pin_memory: bool = Field(
+        default=False,
+        description=(
+            "hand out batches in page-locked host memory (torch's DataLoader `pin_memory`), so that a "
+            "`.to('cuda', non_blocking=True)` copy overlaps the GPU's work instead of CUDA first staging the batch "
+            "through a pageable buffer; for CUDA runs only (pinning needs CUDA and holds host memory). Off by "
+            "default: this config does not know the device (d9d-flows turns it on for CUDA ranks)"
+        ),
+    )
 
 
 def build_sample_order(
