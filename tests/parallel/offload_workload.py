@@ -7,6 +7,7 @@ Imported by test_cpu_offload.py (gloo) and test_gpu_cpu_offload.py (CUDA); pytes
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import sys
@@ -103,7 +104,7 @@ def _optimizer_provider(bf16: bool) -> Callable[[nn.Module], Optimizer]:
     return provide
 
 
-_contexts_built = 0
+_context_numbers = itertools.count()  # the contexts this rank built so far
 
 
 def _next_master_port() -> None:
@@ -112,10 +113,8 @@ def _next_master_port() -> None:
     all-gather (rank 1: "connect to <rank 0> refused", in NCCL's bootstrap), as if rank 1 had read the first
     context's NCCL id from rank 0's first store server, which lives on while anything (a DeviceMesh held by a
     not-yet-collected model) references the old group. Suspected, not yet confirmed on a GPU (docs/testing.md)."""
-    global _contexts_built
     base = int(os.environ.setdefault("D9D_TEST_BASE_MASTER_PORT", os.environ["MASTER_PORT"]))
-    os.environ["MASTER_PORT"] = str(base + _contexts_built)
-    _contexts_built += 1
+    os.environ["MASTER_PORT"] = str(base + next(_context_numbers))
 
 
 def train(
