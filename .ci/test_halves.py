@@ -78,6 +78,9 @@ def main() -> int:
             process.wait()
         raise
     print(f"test halves: {codes} in {time.monotonic() - started:.0f} s", flush=True)
+    if set(codes) != set(HALVES):  # a half that never ran (its thread raised before pytest ended) is a failure
+        print(f"test halves: no exit status from {sorted(set(HALVES) - set(codes))}", flush=True)
+        return 1
     # pytest's 5 (no tests collected) is an error here as it was for the two commands it replaces.
     return next((code for code in codes.values() if code != 0), 0)
 
