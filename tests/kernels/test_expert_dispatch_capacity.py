@@ -195,6 +195,25 @@ def test_dispatch_and_combine_compile_into_one_graph_that_serves_every_routing()
     assert not counters["graph_break"]
 
 
+@pytest.mark.distributed(world_size=2, timeout=120)
+def test_ranks_dispatching_different_token_counts_are_refused_before_the_exchange():
+    # The pair capacity derives from T, so ranks with different T would exchange blocks of different sizes (a hang on
+    # NCCL). T travels with the counts, and every rank refuses before the rows move (an asynchronous device assert on
+    # a GPU; on the CPU it raises at once, naming T).
+    ctx = DistributedContext.build(MeshDegrees(dp_shard=2, ep=2))
+    group = ctx.mesh_for("expert")["ep"].get_group()
+    dispatcher = AllToAllCapacityDispatcher(group, NUM_EXPERTS)
+    tokens = TOKENS + 4 * ctx.rank
+    x, indices, weights = _routing(0, seed=5)
+    x, indices, weights = x.repeat(2, 1)[:tokens], indices.repeat(2, 1)[:tokens], weights.repeat(2, 1)[:tokens]
+    with pytest.raises(RuntimeError, match=rf"must dispatch the same number of tokens.*T={tokens}"):
+        dispatcher.dispatch(x, indices, weights)
+    same = dispatcher.dispatch(x[:TOKENS], indices[:TOKENS], weights[:TOKENS])  # the group still works afterwards
+    received = same.group_sizes.sum()
+    dist.all_reduce(received, group=group)
+    assert int(received) == 2 * int((indices[:TOKENS] >= 0).sum())  # both ranks routed the same copies
+
+
 def test_capacity_rounds_up_to_the_alignment():
     assert pair_capacity(4096 * 2, 8, 4, 2.0) == 32768
     assert pair_capacity(10, 2, 4, 1.0) == 16

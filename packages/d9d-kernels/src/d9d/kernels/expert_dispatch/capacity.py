@@ -1,10 +1,10 @@
 """A sync-free expert-parallel exchange: every (source rank, destination rank) pair moves a fixed `C` rows.
 
 `C = round_up(ceil(capacity_factor * T * k / ep), CAPACITY_ALIGNMENT)`, the same on every rank (every rank of the
-group must dispatch the same number of tokens `T`, i.e. one micro-batch shape). Because the splits are equal and
-known from shapes alone, no count ever reaches the host: no `.tolist()`, `.item()`, `nonzero` or data-dependent
-shape in dispatch, combine or their backward, so the GPU queue never drains at an MoE layer (design 0029; the
-all-to-all dispatcher drains it once per layer, design 0025). The collectives are functional
+group must dispatch the same number of tokens `T`, i.e. one micro-batch shape; asserted on the device). Because the
+splits are equal and known from shapes alone, no count ever reaches the host: no `.tolist()`, `.item()`, `nonzero`
+or data-dependent shape in dispatch, combine or their backward, so the GPU queue never drains at an MoE layer (design
+0029; the all-to-all dispatcher drains it once per layer, design 0025). The collectives are functional
 (`all_to_all_single[_autograd]` with no split lists), which `torch.compile` traces.
 
 Dropping: a copy is sent when it is one of the first `C` copies (in flat `(token, slot)` order) that this rank routes
@@ -219,9 +219,19 @@ class AllToAllCapacityDispatcher:
         plan = _plan_sends(expert_indices, self.num_experts, self.num_ranks, self.num_local_experts, capacity)
         slot_token = plan.slot_copy.div(top_k, rounding_mode="floor")  # `T` for an empty slot: the zero row
         send = _GatherToSlots.apply(x, slot_token, plan.slot_of_copy, top_k)  # type: ignore[no-untyped-call]
-        recv_counts = _wait(funcol.all_to_all_single(plan.send_counts.reshape(-1), None, None, self.group)).view(
-            self.num_ranks, self.num_local_experts
+        # Each destination's counts travel with this rank's token count: `C` derives from `T`, so a rank whose `T`
+        # differs would send blocks of another size and the exchange below would hang (NCCL) or fail obscurely.
+        tokens = plan.send_counts.new_full((self.num_ranks, 1), num_tokens)
+        exchanged = _wait(
+            funcol.all_to_all_single(torch.cat([plan.send_counts, tokens], dim=1).reshape(-1), None, None, self.group)
+        ).view(self.num_ranks, self.num_local_experts + 1)
+        torch._assert_async(
+            (exchanged[:, -1] == num_tokens).all(),
+            f"all_to_all_capacity: every rank of the expert-parallel group must dispatch the same number of tokens "
+            f"(the pair capacity derives from it); this rank dispatches T={num_tokens} and another rank a different "
+            "T: give every rank one micro-batch shape, or use the all_to_all dispatcher",
         )
+        recv_counts = exchanged[:, :-1]
         received = _exchange(send, self.group)
         local_inverse, group_sizes = _local_reorder(recv_counts, capacity)
         local_order = inverse_permutation(local_inverse)
