@@ -284,9 +284,14 @@ class ActionGraphs:
             entry = entries[index]
             if not action.kind.is_compute:
                 assert comm is not None, f"{action} in a single-rank program"
-                executor._communicate_static(
-                    action, task, step, comm=comm, peer=plan.peers[index], entry=entry, at=(index, receive_at)
-                )
+                # Kept for the replays: each receive's buffer (the receive writes there again), each send's tensor.
+                message = executor._communicate(action, task, step, comm, plan.peers[index])
+                if action.kind is ActionKind.RECV_ACTIVATION or action.kind is ActionKind.RECV_GRADIENT:
+                    entry.buffer = message
+                    direction = "F" if action.kind is ActionKind.RECV_ACTIVATION else "B"
+                    receive_at[(direction, action.stage, action.microbatch)] = index
+                else:
+                    entry.sent = message
                 continue
             needed = executor.receives_of(action)
             for key in needed:  # waited on the main stream before the capture, which cannot wait on NCCL's events

@@ -260,62 +260,33 @@ class PipelineExecutor:
 
     # Communication -------------------------------------------------------------------------------------------------
 
-    def _communicate(self, action: Action, task: PipelineTask[Any], step: _Step, comm: Communicator, peer: int) -> None:
+    def _communicate(
+        self, action: Action, task: PipelineTask[Any], step: _Step, comm: Communicator, peer: int
+    ) -> torch.Tensor:
+        """Post a send or a receive. Returns what a replay repeats the message over (runtime/cuda_graphs.py): the
+        tensor a send reads (a gradient before `.contiguous()`, which a replay applies again), or the buffer a
+        receive writes."""
         key = (action.stage, action.microbatch)
         match action.kind:
             case ActionKind.SEND_ACTIVATION:
-                comm.send(step.outputs[key].detach(), peer)
+                activation = step.outputs[key].detach()
+                comm.send(activation, peer)
+                return activation
             case ActionKind.SEND_GRADIENT:
                 grad = step.input_grads.pop(key)
                 if grad is None:
                     raise RuntimeError(f"{action}: stage {action.stage}'s input got no gradient (is it used?)")
                 comm.send(grad.contiguous(), peer)
+                return grad
             case ActionKind.RECV_ACTIVATION:
                 spec = task.activation_spec(step.batches[action.microbatch], stage=self.stage_info(action.stage - 1))
                 buffer = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
                 step.received[("F", *key)] = (buffer, comm.recv(buffer, peer))
+                return buffer
             case ActionKind.RECV_GRADIENT:
                 buffer = torch.empty_like(step.outputs[key])
                 step.received[("B", *key)] = (buffer, comm.recv(buffer, peer))
-            case _:
-                raise AssertionError(action)
-
-    def _communicate_static(
-        self,
-        action: Action,
-        task: PipelineTask[Any],
-        step: _Step,
-        *,
-        comm: Communicator,
-        peer: int,
-        entry: Any,
-        at: tuple[int, dict[tuple[str, int, int], int]],
-    ) -> None:
-        """`_communicate` in a capture step: each receive gets a buffer that stays (`entry.buffer`), each send
-        records the tensor it reads (`entry.sent`), so replays repeat the messages over the same tensors."""
-        key = (action.stage, action.microbatch)
-        match action.kind:
-            case ActionKind.SEND_ACTIVATION:
-                entry.sent = step.outputs[key].detach()
-                comm.send(entry.sent, peer)
-            case ActionKind.SEND_GRADIENT:
-                grad = step.input_grads.pop(key)
-                if grad is None:
-                    raise RuntimeError(f"{action}: stage {action.stage}'s input got no gradient (is it used?)")
-                entry.sent = grad
-                comm.send(grad.contiguous(), peer)
-            case ActionKind.RECV_ACTIVATION | ActionKind.RECV_GRADIENT:
-                direction = "F" if action.kind is ActionKind.RECV_ACTIVATION else "B"
-                if direction == "F":
-                    spec = task.activation_spec(
-                        step.batches[action.microbatch], stage=self.stage_info(action.stage - 1)
-                    )
-                    entry.buffer = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
-                else:
-                    entry.buffer = torch.empty_like(step.outputs[key])
-                step.received[(direction, *key)] = (entry.buffer, comm.recv(entry.buffer, peer))
-                index, receive_at = at  # this action's index, and where each received message's action is
-                receive_at[(direction, *key)] = index
+                return buffer
             case _:
                 raise AssertionError(action)
 
