@@ -98,6 +98,12 @@ def test_moe_pretrain_with_expert_parallelism_matches_data_parallel_only(workdir
     losses = _run(workdir, "pretrain", "moe-ep2", RANKS, "pretrain.degrees.ep=2", preset="micro-moe")
     _ran_with(workdir, "moe-ep2", "pretrain", "pp=1, dp_replicate=1, dp_shard=4, cp=1, tp=1, ep=2")
     _assert_same_curve(losses, baseline)
+    # The static-capacity exchange (design 0029) from the command line: at factor 2.0 this routing drops nothing,
+    # so it moves the same rows as the all-to-all exchange (bit-equal on the development machine, 8 steps).
+    capacity = "pretrain.model.decoder.expert_dispatch.kind=all_to_all_capacity"
+    static = _run(workdir, "pretrain", "moe-ep2-capacity", RANKS, "pretrain.degrees.ep=2", capacity, preset="micro-moe")
+    assert "kind: all_to_all_capacity" in (workdir / "moe-ep2-capacity" / "job.yaml").read_text(encoding="utf-8")
+    _assert_same_curve(static, baseline)
 
 
 def _finetune_base(workdir) -> list[str]:
