@@ -33,6 +33,10 @@
 #              then called directly (the default), on the same machine
 #   pipegraphs: design 0028: cost-aware ZBV 4/3 and 1F1B 1/7 at PIPE_ROWS (default 4) on 4 GPUs, each eager and then
 #              with --cuda-graphs (the compute actions replayed as CUDA graphs), on the same machine
+#   pipemeasured: ZBV 4/3 traced, replayed with its measured per-action GPU ms; then ZBV and 1F1B planned with the
+#              cost model those measurements imply, with CUDA graphs
+#   pipeschedules: 1F1B, interleaved 1F1B, ZBV and DualPipeV at pp=4 with CUDA graphs, planned and split under the
+#              measured cost model (pipemeasured's)
 #   pipegraphs2: the same on 2 GPUs: ZBV and 1F1B at pp=2 with PIPE_LAYERS (default 16) layers, each split chosen by
 #              simulation under the cost model (--suggest-split), eager then graphs
 #   pipegraphstests: the GPU parity tests of the CUDA-graph executor against eager (tests/pipeline/test_gpu_cuda_graphs.py)
@@ -169,15 +173,20 @@ for part in "$@"; do case $part in
       --warmup 4 --profile-steps 2 --budget-seconds 145 ;;
   ep2c|ep4c2)  # design 0029: the sync-free static-capacity exchange (ep_capacity) beside the all-to-all (ep), both with
          # the dense layout `whole`, after the 1-GPU figure and FSDP-only on the same GPUs; then the same compiled
-         # (--kernels loss) unless EP_COMPILED=0. Eager about 3 minutes on 2 GPUs, compiled rows about 3 more.
+         # (--kernels loss). Eager about 3 minutes on 2 GPUs, compiled rows about 3 more. EP_STEPS picks what runs
+         # (default "tests eager compiled"), so the rows can share calls with other parts.
     E=bench/expert_parallel.py; gpus=0,1; [ "$part" = ep4c2 ] && gpus=0,1,2,3
-    cf=${CAPACITY_FACTOR:-2.0}
-    timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -m gpu \
-      tests/parallel/test_gpu_expert_dispatch_capacity.py 2>&1 | tee "$out/$part-tests.log" | tail -20 | cut -c1-300
-    run 0 90 ep.log $E --modes fsdp --steps 8 --warmup 3 --profile-steps 0
-    run $gpus 150 ep.log $E --modes fsdp ep ep_capacity --dense-layouts whole --capacity-factor "$cf" --steps 8 \
-      --warmup 3 --profile-steps 2 --budget-seconds 135
-    if [ "${EP_COMPILED:-1}" = 1 ]; then
+    cf=${CAPACITY_FACTOR:-2.0}; steps=" ${EP_STEPS:-tests eager compiled} "
+    if [[ $steps == *" tests "* ]]; then
+      timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -m gpu \
+        tests/parallel/test_gpu_expert_dispatch_capacity.py 2>&1 | tee "$out/$part-tests.log" | tail -20 | cut -c1-300
+    fi
+    if [[ $steps == *" eager "* ]]; then
+      run 0 90 ep.log $E --modes fsdp --steps 8 --warmup 3 --profile-steps 0
+      run $gpus 150 ep.log $E --modes fsdp ep ep_capacity --dense-layouts whole --capacity-factor "$cf" --steps 8 \
+        --warmup 3 --profile-steps 2 --budget-seconds 135
+    fi
+    if [[ $steps == *" compiled "* ]]; then
       run 0 110 ep.log $E --modes fsdp --compile-layers --kernels loss --steps 8 --warmup 4 --profile-steps 0
       run $gpus 200 ep.log $E --modes fsdp ep ep_capacity --dense-layouts whole --capacity-factor "$cf" \
         --compile-layers --kernels loss --steps 8 --warmup 4 --profile-steps 2 --budget-seconds 185
@@ -266,6 +275,30 @@ for part in "$@"; do case $part in
           --virtual-layers-post $3 --microbatch-rows ${PIPE_ROWS:-4} --steps 5 --warmup 2 --profile-steps 1 \
           --head-costs 5.3 17.8 0 --embedding-costs 0 0 0.3 $graphs
       done
+    done ;;
+  pipemeasured)  # issue 16: cost-aware ZBV 4/3 traced eagerly, its program replayed with every stage's measured GPU
+    # ms per action (column `simulated, measured costs`), the cost model those measurements imply; then ZBV and 1F1B
+    # planned with that model (--suggest-split), with CUDA graphs
+    pp=bench/pipeline_schedules.py; common="--microbatch-rows ${PIPE_ROWS:-4} --warmup 2 --embedding-costs 0 0 0.3"
+    for item in "zbv 4 3" "1f1b 1 7"; do
+      set -- $item
+      run 0,1,2,3 ${PIPE_SECONDS:-120} ppmeasured.log $pp --schedules $1 --virtual-layers-pre $2 --virtual-layers-post $3 \
+        --head-costs 5.3 17.8 0 $common --steps 3 --profile-steps 1 --trace-dir "$out/pptraces"
+    done
+    measured=$(grep -o "zbv: measured cost model .*" "$out/ppmeasured.log" | tail -1 | sed 's/.*cost model //')
+    echo "## measured cost model: ${measured:-none}" | tee -a "$out/ppmeasured.log"
+    if [ -n "$measured" ]; then
+      for schedule in zbv 1f1b; do
+        run 0,1,2,3 ${PIPE_SECONDS:-120} ppmeasured.log $pp --schedules $schedule --suggest-split $common $measured \
+          --steps 5 --profile-steps 1 --cuda-graphs
+      done
+    fi ;;
+  pipeschedules)  # issue 16's table: every pp=4 schedule at PIPE_ROWS rows with CUDA graphs, each planned and split
+    # (--suggest-split) under the cost model measured by `pipemeasured` on 4 x H200 (PIPE_COSTS overrides it)
+    costs=${PIPE_COSTS:---layer-costs 1.00 2.01 0.43 --head-costs 5.28 14.49 0.01 --embedding-costs 0.07 0.00 2.47}
+    for schedule in ${PIPE_SCHEDULES:-1f1b interleaved_1f1b zbv dualpipe_v}; do
+      run 0,1,2,3 ${PIPE_SECONDS:-120} ppschedules.log bench/pipeline_schedules.py --schedules $schedule --suggest-split \
+        --microbatch-rows ${PIPE_ROWS:-4} --warmup 2 --steps 5 --profile-steps 1 --cuda-graphs $costs
     done ;;
   pipegraphs2)  # the same at pp=2 on 2 GPUs (PIPE_LAYERS layers; the anchor's head at 16 layers is about a third)
     # (the split per schedule by simulation under the cost model: --suggest-split)

@@ -61,8 +61,9 @@ from d9d.pipeline import (
     pipeline_group,
     suggest_virtual_layers,
 )
-from d9d.pipeline.program import ActionCosts, replay
+from d9d.pipeline.program import ActionCosts, Program, StageCost, replay
 from d9d.pipeline.runtime import executor as executor_module
+from pipeline_trace import measured_costs
 from trace_summary import union_length
 
 SCHEDULES = {
@@ -107,6 +108,8 @@ class Row:
     simulated_bubble: float
     simulated_bubble_stage_costs: float  # each stage charged its layers plus the embedding's and the head's estimate
     simulated_bubble_cost_model: float | None  # replayed under --head/--embedding/--layer-costs (None without them)
+    # replayed with each stage's GPU ms per action from the traced step (None without --trace-dir; rank 0 only)
+    simulated_bubble_measured_costs: float | None
     virtual_layers: str  # the split run, "pre/post"
     peak_gib: float
     split_backward: str  # how split-backward schedules split (design note 0024); unused by the others
@@ -189,6 +192,52 @@ def trace_step(step: Callable[[], float], kind: str, rank: int, args: argparse.N
             setattr(executor, name, original)
     args.trace_dir.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(args.trace_dir / f"pipeline-{kind}-rows{args.microbatch_rows}-rank{rank}.json"))
+
+
+def replay_measured(
+    program: Program, config: PipelineConfig, num_layers: int, kind: str, args: argparse.Namespace
+) -> float | None:
+    """Replay `program` with every stage's measured GPU ms per action (the traced step on every rank), print them,
+    and print the cost model they imply (layer, head and embedding in layer forwards, for `--layer-costs`,
+    `--head-costs`, `--embedding-costs`) with the split `--suggest-split` would pick under it. The replay has no
+    communication and no host time: what the measured bubble has beyond it, the runtime adds."""
+    paths = sorted(args.trace_dir.glob(f"pipeline-{kind}-rows{args.microbatch_rows}-rank*.json"))
+    per_stage = measured_costs(paths)
+    num_stages = program.layout.num_stages
+    if len(per_stage) < num_stages:
+        print(f"#   {kind}: measured costs for stages {sorted(per_stage)} only (traces: {[p.name for p in paths]})")
+        return None
+    stage_costs_ms = []
+    for stage in range(num_stages):
+        kinds = per_stage.get(stage, {})
+        backward_input = kinds.get("BACKWARD_INPUT", kinds.get("BACKWARD", 0.0))
+        stage_costs_ms.append(StageCost(kinds.get("FORWARD", 0.0), backward_input, kinds.get("BACKWARD_WEIGHT", 0.0)))
+        print(f"#   {kind} stage {stage} GPU ms per action: " + ", ".join(f"{k} {v:.2f}" for k, v in kinds.items()))
+    bubble = replay(program, ActionCosts(stage_costs=tuple(stage_costs_ms))).bubble_fraction
+    if any(cost.backward_weight for cost in stage_costs_ms):  # a split-backward schedule: the halves are apart
+        derived = PipelineCosts.from_stage_costs(
+            stage_costs_ms,
+            num_layers,
+            virtual_layers_pre=config.virtual_layers_pre,
+            virtual_layers_post=config.virtual_layers_post,
+        )
+        flags = " ".join(
+            f"--{name}-costs {work.forward:.2f} {work.backward_input:.2f} {work.backward_weight:.2f}"
+            for name, work in (("layer", derived.layer), ("head", derived.head), ("embedding", derived.embedding))
+        )
+        print(f"#   {kind}: measured cost model {flags}")
+        for other in ("1f1b", "interleaved_1f1b", "zbv", "dualpipe_v"):
+            planned = PipelineConfig.model_validate(
+                {**config.model_dump(), "schedule": SCHEDULES[other], "costs": derived.model_dump()}
+            )
+            best = suggest_virtual_layers(
+                planned, pp=program.layout.pp, num_layers=num_layers, num_microbatches=args.microbatches
+            )
+            print(
+                f"#   {other} planned with it: best split {best.virtual_layers_pre}/{best.virtual_layers_post},"
+                f" simulated bubble {best.bubble:.3f}"
+            )
+    return bubble
 
 
 def measure(ctx: DistributedContext, kind: str, args: argparse.Namespace) -> Row:
@@ -324,8 +373,12 @@ def measure(ctx: DistributedContext, kind: str, args: argparse.Namespace) -> Row
             virtual_layers_post=config.virtual_layers_post,
         )
         modelled = replay(program, ActionCosts(stage_costs=per_stage)).bubble_fraction
+    measured_replay = None
     if args.trace_dir is not None:
         trace_step(step, kind, ctx.rank, args, cuda=cuda)
+        dist.barrier()
+        if cuda and ctx.rank == 0:
+            measured_replay = replay_measured(program, config, params.num_layers, kind, args)
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
     return Row(
         schedule=kind,
@@ -339,11 +392,16 @@ def measure(ctx: DistributedContext, kind: str, args: argparse.Namespace) -> Row
         simulated_bubble=simulated,
         simulated_bubble_stage_costs=weighted,
         simulated_bubble_cost_model=modelled,
+        simulated_bubble_measured_costs=measured_replay,
         virtual_layers=f"{config.virtual_layers_pre}/{config.virtual_layers_post}",
         peak_gib=peak,
         split_backward=schedule.executor.split_backward,
         graphs=graph_state,
     )
+
+
+def optional(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def main() -> None:
@@ -424,17 +482,17 @@ def main() -> None:
     if ctx.rank == 0:
         print(
             "| schedule | pp | micro-batches x rows | tokens/s per GPU | step s | measured bubble | bubble, comm busy"
-            " | simulated bubble | simulated, stage costs | simulated, cost model | pre/post | peak GiB"
-            " | split backward | graphs |",
+            " | simulated bubble | simulated, stage costs | simulated, cost model | simulated, measured costs"
+            " | pre/post | peak GiB | split backward | graphs |",
         )
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for row in rows:
             print(
                 f"| {row.schedule} | {row.pp} | {row.microbatches} x {row.microbatch_rows}"
                 f" | {row.tokens_per_second_per_gpu:,.0f} | {row.step_seconds:.3f} | {row.measured_bubble:.3f}"
                 f" | {row.bubble_counting_comm_busy:.3f} | {row.simulated_bubble:.3f}"
                 f" | {row.simulated_bubble_stage_costs:.3f}"
-                f" | {'-' if row.simulated_bubble_cost_model is None else f'{row.simulated_bubble_cost_model:.3f}'}"
+                f" | {optional(row.simulated_bubble_cost_model)} | {optional(row.simulated_bubble_measured_costs)}"
                 f" | {row.virtual_layers} | {row.peak_gib:.1f} | {row.split_backward} | {row.graphs} |"
             )
         print(json.dumps([asdict(row) for row in rows]))

@@ -6,13 +6,21 @@ Per rank: the step's wall time; the GPU's compute time (non-NCCL kernels, merged
 inside an NCCL kernel only (waiting for a peer: the pipeline's bubble proper) and time with no kernel at all (the
 device starved by its host: launch-bound); the host's time inside each kind of executor action and inside blocking
 CUDA calls (synchronize, device-to-host copies), which stop the host from running ahead of its device.
+
+`--costs` adds each stage's measured GPU time per compute action (F, I, W, B): the kernels an action launched (found
+through the profiler's correlation ids from the launch call inside the action's host range to the kernel, NCCL
+excluded), summed, median over micro-batches. Unlike the step's wall time these exclude every wait for a peer, so
+replaying the program with them (`pipeline_schedules.py` does, column `simulated, measured costs`) separates what the
+schedule and the split cost from what the runtime adds.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import re
+import statistics
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -30,6 +38,55 @@ def clip(intervals: list[tuple[float, float]], lo: float, hi: float) -> list[tup
 def subtract(length_of: list[tuple[float, float]], minus: list[tuple[float, float]]) -> float:
     """Length covered by `length_of` and not by `minus`."""
     return union_length(length_of + minus) - union_length(minus)
+
+
+LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")  # Triton launches through the driver API
+
+
+def action_gpu_ms(events: list[dict[str, Any]]) -> dict[tuple[str, int], list[float]]:
+    """GPU ms of every compute action in one rank's trace, keyed by (action kind, stage), one entry per micro-batch:
+    the summed durations of the non-NCCL kernels launched inside the action's host range."""
+    complete = [e for e in events if e.get("ph") == "X"]
+    # Matched by time, not by thread: a backward's kernels are launched from autograd's device thread while the
+    # executor's thread waits inside the action's range (the actions of one rank never overlap in time).
+    ranges = sorted(
+        (e["ts"], e["ts"] + e["dur"], match.group(1), int(match.group(2)), int(match.group(3)))
+        for e in complete
+        if e.get("cat") == "user_annotation" and (match := ACTION.match(e.get("name", "")))
+    )
+    starts = [r[0] for r in ranges]
+    action_of: dict[Any, tuple[str, int, int]] = {}
+    for event in complete:
+        correlation = event.get("args", {}).get("correlation")
+        if event.get("cat") not in LAUNCH_CATEGORIES or correlation is None:
+            continue
+        index = bisect.bisect_right(starts, event["ts"]) - 1
+        if index >= 0:
+            _, end, kind, stage, microbatch = ranges[index]
+            if event["ts"] <= end:
+                action_of[correlation] = (kind, stage, microbatch)
+    per_action: dict[tuple[str, int, int], float] = defaultdict(float)
+    for event in complete:
+        if event.get("cat") != "kernel" or "nccl" in event.get("name", "").lower():
+            continue
+        action = action_of.get(event.get("args", {}).get("correlation"))
+        if action is not None:
+            per_action[action] += event["dur"] / 1e3
+    by_kind: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for (kind, stage, _), ms in sorted(per_action.items()):
+        by_kind[(kind, stage)].append(ms)
+    return dict(by_kind)
+
+
+def measured_costs(paths: list[Path]) -> dict[int, dict[str, float]]:
+    """Per global stage, the median GPU ms of each compute kind (FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT,
+    BACKWARD) over its micro-batches, from every rank's trace of one step."""
+    costs: dict[int, dict[str, float]] = defaultdict(dict)
+    for path in paths:
+        for (kind, stage), values in action_gpu_ms(json.loads(path.read_text())["traceEvents"]).items():
+            if kind in ("FORWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT", "BACKWARD"):
+                costs[stage][kind] = statistics.median(values)
+    return dict(sorted(costs.items()))
 
 
 def summarise(path: Path) -> dict[str, Any]:
@@ -68,6 +125,7 @@ def summarise(path: Path) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("trace_dir", type=Path)
+    parser.add_argument("--costs", action="store_true", help="also each stage's GPU ms per compute action")
     args = parser.parse_args()
     print("| trace | wall ms | GPU compute | waiting on a peer | starved (no kernel) | host in actions (count, ms) |")
     print("|---|---|---|---|---|---|")
@@ -80,6 +138,16 @@ def main() -> None:
         )
         if row["host_blocking_ms"]:
             print(f"#   {row['trace']} host blocked in: {row['host_blocking_ms']}")
+    if args.costs:
+        groups: dict[str, list[Path]] = defaultdict(list)
+        for path in sorted(args.trace_dir.glob("pipeline-*-rank*.json")):
+            groups[path.name.rsplit("-rank", 1)[0]].append(path)
+        for name, paths in groups.items():
+            print(f"\n{name}: GPU ms per action (median over micro-batches)\n")
+            print("| stage | F | I | W | B |\n|---|---|---|---|---|")
+            for stage, kinds in measured_costs(paths).items():
+                cells = [kinds.get(kind) for kind in ("FORWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT", "BACKWARD")]
+                print(f"| {stage} | " + " | ".join("-" if c is None else f"{c:.2f}" for c in cells) + " |")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import pytest
 BENCH = str(Path(__file__).resolve().parents[2] / "bench")
 sys.path.insert(0, BENCH)  # the benchmark scripts import each other by module name
 try:
-    from pipeline_trace import summarise
+    from pipeline_trace import action_gpu_ms, measured_costs, summarise
 finally:
     sys.path.remove(BENCH)
 
@@ -42,3 +42,74 @@ def test_compute_waiting_and_starved_add_up_to_the_step(tmp_path):
     assert row["starved_ms"] == pytest.approx(45.0)
     assert row["host_ms_by_action"] == {"BACKWARD_INPUT": (1, 3.0), "FORWARD": (2, 6.0)}
     assert row["host_blocking_ms"] == {"cudaStreamSynchronize": pytest.approx(7.0)}
+
+
+def _launch(category: str, start: float, correlation: int, tid: int) -> dict[str, object]:
+    return {
+        "ph": "X",
+        "name": "launch",
+        "cat": category,
+        "ts": start,
+        "dur": 5,
+        "pid": 0,
+        "tid": tid,
+        "args": {"correlation": correlation},
+    }
+
+
+def _kernel(name: str, start: float, duration: float, correlation: int) -> dict[str, object]:
+    return {
+        "ph": "X",
+        "name": name,
+        "cat": "kernel",
+        "ts": start,
+        "dur": duration,
+        "pid": 0,
+        "tid": 7,
+        "args": {"correlation": correlation},
+    }
+
+
+def test_each_action_is_charged_the_kernels_it_launched_wherever_they_ran(tmp_path):
+    # The executor's thread (tid 1) holds the action ranges; a backward's kernels are launched from autograd's device
+    # thread (tid 2) and Triton's through the driver API. Kernels run later than their launch (the host runs ahead)
+    # and are matched by correlation id, NCCL kernels never count, and a launch outside every action is nobody's.
+    events = [
+        _event("pp:FORWARD:s1:m0", "user_annotation", 0, 100) | {"tid": 1},
+        _launch("cuda_runtime", 10, 1, tid=1),
+        _launch("cuda_driver", 20, 2, tid=1),
+        _event("pp:BACKWARD_INPUT:s1:m0", "user_annotation", 200, 100) | {"tid": 1},
+        _launch("cuda_runtime", 210, 3, tid=2),
+        _launch("cuda_runtime", 220, 4, tid=2),
+        _event("pp:FORWARD:s1:m1", "user_annotation", 400, 100) | {"tid": 1},
+        _launch("cuda_runtime", 410, 5, tid=1),
+        _launch("cuda_runtime", 600, 6, tid=1),  # the optimizer step, outside every action
+        _kernel("gemm", 1000, 3000, 1),
+        _kernel("triton_rms_norm", 4000, 1000, 2),
+        _kernel("flash_bwd", 6000, 5000, 3),
+        _kernel("ncclDevKernel_SendRecv", 11000, 9000, 4),
+        _kernel("gemm", 20000, 6000, 5),
+        _kernel("adam", 30000, 2000, 6),
+    ]
+    assert action_gpu_ms(events) == {
+        ("FORWARD", 1): [pytest.approx(4.0), pytest.approx(6.0)],
+        ("BACKWARD_INPUT", 1): [pytest.approx(5.0)],
+    }
+    rank0 = tmp_path / "pipeline-zbv-rows1-rank0.json"
+    rank0.write_text(json.dumps({"traceEvents": events}))
+    rank1 = tmp_path / "pipeline-zbv-rows1-rank1.json"
+    rank1.write_text(
+        json.dumps(
+            {
+                "traceEvents": [
+                    _event("pp:BACKWARD_WEIGHT:s0:m0", "user_annotation", 0, 100),
+                    _launch("cuda_runtime", 1, 9, tid=0),
+                    _kernel("wgrad", 50, 2500, 9),
+                ]
+            }
+        )
+    )
+    assert measured_costs([rank0, rank1]) == {
+        0: {"BACKWARD_WEIGHT": pytest.approx(2.5)},
+        1: {"FORWARD": pytest.approx(5.0), "BACKWARD_INPUT": pytest.approx(5.0)},  # medians over micro-batches
+    }

@@ -23,6 +23,7 @@ from d9d.kernels.expert_dispatch import (
     pair_capacity,
     resolve_expert_dispatch_config,
 )
+from d9d.kernels.expert_dispatch.capacity import token_count_mismatch_message
 
 NUM_EXPERTS, TOP_K, HIDDEN, TOKENS = 8, 2, 6, 12
 UNUSED = (3, 6)
@@ -206,12 +207,18 @@ def test_ranks_dispatching_different_token_counts_are_refused_before_the_exchang
     tokens = TOKENS + 4 * ctx.rank
     x, indices, weights = _routing(0, seed=5)
     x, indices, weights = x.repeat(2, 1)[:tokens], indices.repeat(2, 1)[:tokens], weights.repeat(2, 1)[:tokens]
-    with pytest.raises(RuntimeError, match=rf"must dispatch the same number of tokens.*T={tokens}"):
+    with pytest.raises(RuntimeError, match=rf"T={tokens} tokens and another rank.*a different T"):
         dispatcher.dispatch(x, indices, weights)
     same = dispatcher.dispatch(x[:TOKENS], indices[:TOKENS], weights[:TOKENS])  # the group still works afterwards
     received = same.group_sizes.sum()
     dist.all_reduce(received, group=group)
     assert int(received) == 2 * int((indices[:TOKENS] >= 0).sum())  # both ranks routed the same copies
+
+
+def test_the_token_count_message_fits_cudas_device_assert():
+    # CUDA's `_assert_async` raises "Message length must be smaller than 255" before it checks anything (gloo and
+    # the CPU accept any length), so a long message would break every NCCL dispatch; the largest T still fits.
+    assert len(token_count_mismatch_message(2**62)) < 255
 
 
 def test_capacity_rounds_up_to_the_alignment():

@@ -97,6 +97,42 @@ def test_stage_costs_follow_the_layers_of_each_stage():
     assert costs[3] == StageCost(forward=1.0 + 5.3, backward_input=1.0 + 17.8, backward_weight=1.0)
 
 
+ANCHOR_ON_H200 = PipelineCosts(  # the dense anchor's costs measured on 4 x H200 (docs/benchmarks.md, session 12)
+    layer=WorkCost(forward=1.0, backward_input=2.01, backward_weight=0.43),
+    head=WorkCost(forward=5.28, backward_input=14.49, backward_weight=0.01),
+    embedding=WorkCost(forward=0.07, backward_weight=2.47),
+)
+
+
+@pytest.mark.parametrize(("pp", "pre", "post"), [(4, 4, 3), (4, 0, 0), (2, 1, 5)])
+def test_a_cost_model_is_recovered_from_the_stage_durations_it_implies(pp, pre, post):
+    # Durations in ms (a layer forward of 1.6 ms), as a profiled ZBV step measures them: the model they imply is the
+    # one that made them, in layer-forward units, whatever the split.
+    stages = ANCHOR_ON_H200.stage_costs(2 * pp, 32, virtual_layers_pre=pre, virtual_layers_post=post)
+    in_ms = [StageCost(1.6 * c.forward, 1.6 * c.backward_input, 1.6 * c.backward_weight) for c in stages]
+    derived = PipelineCosts.from_stage_costs(in_ms, 32, virtual_layers_pre=pre, virtual_layers_post=post)
+    for part in ("layer", "head", "embedding"):
+        for name in ("forward", "backward_input", "backward_weight"):
+            assert getattr(getattr(derived, part), name) == pytest.approx(getattr(getattr(ANCHOR_ON_H200, part), name))
+
+
+def test_noise_below_the_layers_clips_to_zero():
+    # The head's stage measured slightly under its layers' share (noise): no negative cost, which WorkCost refuses.
+    stages = list(ANCHOR_ON_H200.stage_costs(8, 32))
+    stages[-1] = StageCost(stages[-1].forward, stages[-1].backward_input, 0.0)
+    derived = PipelineCosts.from_stage_costs(stages, 32)
+    assert derived.head.backward_weight == 0.0
+
+
+def test_deriving_a_cost_model_names_what_is_missing():
+    full_backwards = [StageCost(4.0, 8.0, 0.0)] * 8  # a 1F1B trace: input and weight gradients are one action
+    with pytest.raises(ValueError, match=r"backward_weight is 0.*split-backward schedule"):
+        PipelineCosts.from_stage_costs(full_backwards, 32)
+    two_stages = [StageCost(4.0, 8.0, 2.0)] * 2  # pp=2 with one stage per rank: no stage without an end
+    with pytest.raises(ValueError, match=r"2 stages of a 32-layer model.*virtual_layers_pre=0"):
+        PipelineCosts.from_stage_costs(two_stages, 32)
+
+
 def test_per_stage_costs_charge_each_action_its_own_kind():
     program = build_program("1f1b", partial(one_f_one_b, 2, 4), 4)
     uniform = replay(program)

@@ -3,6 +3,8 @@ simulator can plan with each stage's real forward, input-gradient and weight-gra
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from d9d.pipeline.program.replay import StageCost
@@ -56,4 +58,71 @@ class PipelineCosts(BaseModel):
         return tuple(
             self.stage_cost(PipelineStage(index, num_stages, virtual_layers_pre, virtual_layers_post), num_layers)
             for index in range(num_stages)
+        )
+
+    @classmethod
+    def from_stage_costs(
+        cls,
+        stage_costs: Sequence[StageCost],
+        num_layers: int,
+        *,
+        virtual_layers_pre: int = 0,
+        virtual_layers_post: int = 0,
+    ) -> PipelineCosts:
+        """The cost model that measured per-stage durations imply (any time unit; e.g. each stage's median GPU ms per
+        forward, input-gradient and weight-gradient action from a profiled step of a split-backward schedule, as
+        `bench/pipeline_schedules.py --trace-dir` measures them).
+
+        A layer costs what the stages holding neither the embedding nor the head cost per layer, on average; the
+        head and the embedding cost what their stages take beyond their layers (clipped at 0: measurement noise).
+        Everything is returned in units of the measured layer forward. Needs at least one stage with layers and
+        neither end of the model, a forward measured there, and a weight-gradient measurement somewhere (a schedule
+        with full backwards cannot tell the two halves apart).
+        """
+        num_stages = len(stage_costs)
+        stages = [
+            PipelineStage(index, num_stages, virtual_layers_pre, virtual_layers_post) for index in range(num_stages)
+        ]
+        if not any(cost.backward_weight for cost in stage_costs):
+            raise ValueError(
+                "PipelineCosts.from_stage_costs needs weight-gradient measurements (every stage_costs[i]."
+                "backward_weight is 0): measure a split-backward schedule (zb_h1, zbv, dualpipe_v), whose actions "
+                "separate the input gradient from the weight gradient"
+            )
+        middle = [
+            (cost, len(stage.layers(num_layers)))
+            for cost, stage in zip(stage_costs, stages, strict=True)
+            if not stage.is_first and not stage.is_last and stage.layers(num_layers)
+        ]
+        layers = sum(count for _, count in middle)
+        forward = sum(cost.forward for cost, _ in middle) / layers if layers else 0.0
+        if not forward > 0:
+            raise ValueError(
+                f"PipelineCosts.from_stage_costs: {num_stages} stages of a {num_layers}-layer model with "
+                f"virtual_layers_pre={virtual_layers_pre} and virtual_layers_post={virtual_layers_post} leave no "
+                "stage with layers and neither the embedding nor the head whose forward was measured; measure with "
+                "more stages (pp x stages per rank of at least 3) or fewer virtual layers"
+            )
+        per_layer = StageCost(
+            forward=forward,
+            backward_input=sum(cost.backward_input for cost, _ in middle) / layers,
+            backward_weight=sum(cost.backward_weight for cost, _ in middle) / layers,
+        )
+
+        def beyond_layers(index: int) -> WorkCost:
+            count = len(stages[index].layers(num_layers))
+            extra = {
+                name: max(getattr(stage_costs[index], name) - count * getattr(per_layer, name), 0.0) / forward
+                for name in ("forward", "backward_input", "backward_weight")
+            }
+            return WorkCost(**extra)
+
+        return cls(
+            layer=WorkCost(
+                forward=1.0,
+                backward_input=per_layer.backward_input / forward,
+                backward_weight=per_layer.backward_weight / forward,
+            ),
+            head=beyond_layers(num_stages - 1),
+            embedding=beyond_layers(0),
         )

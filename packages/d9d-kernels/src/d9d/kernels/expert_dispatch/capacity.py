@@ -105,6 +105,17 @@ def _exchange(rows: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return _wait(funcol.all_to_all_single_autograd(rows.contiguous(), None, None, group))
 
 
+def token_count_mismatch_message(num_tokens: int) -> str:
+    """The device assert's message when the group's ranks dispatch different token counts.
+
+    CUDA's `_assert_async` refuses messages of 255 characters or more (gloo does not), so this stays short.
+    """
+    return (
+        f"all_to_all_capacity: this rank dispatches T={num_tokens} tokens and another rank of the expert-parallel "
+        "group a different T; use one micro-batch shape on every rank, or the all_to_all dispatcher"
+    )
+
+
 def _wait(tensor: torch.Tensor) -> torch.Tensor:
     """A functional collective's result, waited for on the stream (no host sync; a no-op once waited)."""
     out: torch.Tensor = funcol.wait_tensor(tensor)  # type: ignore[no-untyped-call]  # untyped in torch
@@ -225,12 +236,7 @@ class AllToAllCapacityDispatcher:
         exchanged = _wait(
             funcol.all_to_all_single(torch.cat([plan.send_counts, tokens], dim=1).reshape(-1), None, None, self.group)
         ).view(self.num_ranks, self.num_local_experts + 1)
-        torch._assert_async(
-            (exchanged[:, -1] == num_tokens).all(),
-            f"all_to_all_capacity: every rank of the expert-parallel group must dispatch the same number of tokens "
-            f"(the pair capacity derives from it); this rank dispatches T={num_tokens} and another rank a different "
-            "T: give every rank one micro-batch shape, or use the all_to_all dispatcher",
-        )
+        torch._assert_async((exchanged[:, -1] == num_tokens).all(), token_count_mismatch_message(num_tokens))
         recv_counts = exchanged[:, :-1]
         received = _exchange(send, self.group)
         local_inverse, group_sizes = _local_reorder(recv_counts, capacity)
