@@ -37,6 +37,7 @@
 #              cost model those measurements imply, with CUDA graphs
 #   pipeschedules: 1F1B, interleaved 1F1B, ZBV and DualPipeV at pp=4 with CUDA graphs, planned and split under the
 #              measured cost model (pipemeasured's)
+#   pipememory: design note 0030: 1F1B, then ZBV with 1.0, 1.5, 2.0 x 1F1B's activation memory (measured costs, graphs)
 #   pipegraphs2: the same on 2 GPUs: ZBV and 1F1B at pp=2 with PIPE_LAYERS (default 16) layers, each split chosen by
 #              simulation under the cost model (--suggest-split), eager then graphs
 #   pipegraphstests: the GPU parity tests of the CUDA-graph executor against eager (tests/pipeline/test_gpu_cuda_graphs.py)
@@ -299,6 +300,15 @@ for part in "$@"; do case $part in
     for schedule in ${PIPE_SCHEDULES:-1f1b interleaved_1f1b zbv dualpipe_v}; do
       run 0,1,2,3 ${PIPE_SECONDS:-120} ppschedules.log bench/pipeline_schedules.py --schedules $schedule --suggest-split \
         --microbatch-rows ${PIPE_ROWS:-4} --warmup 2 --steps 5 --profile-steps 1 --cuda-graphs $costs
+    done ;;
+  pipememory)  # design note 0030: ZBV planned under the measured cost model with 1.0, 1.5 and 2.0 times 1F1B's
+    # activation memory, after the 1F1B baseline, all with CUDA graphs and each split by simulation
+    costs=${PIPE_COSTS:---layer-costs 1.00 2.01 0.43 --head-costs 5.28 14.49 0.01 --embedding-costs 0.07 0.00 2.47}
+    IFS=, read -ra items <<< "1f1b 1,${PIPE_MEMORY_RUNS:-zbv 1,zbv 1.5,zbv 2}"  # "schedule memory" pairs
+    for item in "${items[@]}"; do
+      set -- $item
+      run 0,1,2,3 ${PIPE_SECONDS:-120} ppmemory.log bench/pipeline_schedules.py --schedules $1 --activation-memory $2 \
+        --suggest-split --microbatch-rows ${PIPE_ROWS:-4} --warmup 2 --steps 5 --profile-steps 1 --cuda-graphs $costs
     done ;;
   pipegraphs2)  # the same at pp=2 on 2 GPUs (PIPE_LAYERS layers; the anchor's head at 16 layers is about a third)
     # (the split per schedule by simulation under the cost model: --suggest-split)

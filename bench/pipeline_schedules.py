@@ -73,6 +73,15 @@ SCHEDULES = {
     "zbv": {"kind": "zbv"},
     "dualpipe_v": {"kind": "dualpipe_v"},
 }
+
+
+def schedule_config(kind: str, args: argparse.Namespace) -> dict[str, object]:
+    """The schedule's config; the zero-bubble ones get `--activation-memory` (design note 0030)."""
+    if kind in ("zb_h1", "zbv"):
+        return {**SCHEDULES[kind], "activation_memory": args.activation_memory}
+    return SCHEDULES[kind]
+
+
 ANCHOR = {
     "hidden_size": 1024,
     "intermediate_size": 3072,
@@ -228,7 +237,7 @@ def replay_measured(
         print(f"#   {kind}: measured cost model {flags}")
         for other in ("1f1b", "interleaved_1f1b", "zbv", "dualpipe_v"):
             planned = PipelineConfig.model_validate(
-                {**config.model_dump(), "schedule": SCHEDULES[other], "costs": derived.model_dump()}
+                {**config.model_dump(), "schedule": schedule_config(other, args), "costs": derived.model_dump()}
             )
             best = suggest_virtual_layers(
                 planned, pp=program.layout.pp, num_layers=num_layers, num_microbatches=args.microbatches
@@ -250,7 +259,7 @@ def measure(ctx: DistributedContext, kind: str, args: argparse.Namespace) -> Row
     costs = cost_model(args)
     config = PipelineConfig.model_validate(
         {
-            "schedule": SCHEDULES[kind],
+            "schedule": schedule_config(kind, args),
             "virtual_layers_pre": args.virtual_layers_pre,
             "virtual_layers_post": args.virtual_layers_post,
             "costs": costs,
@@ -380,8 +389,9 @@ def measure(ctx: DistributedContext, kind: str, args: argparse.Namespace) -> Row
         if cuda and ctx.rank == 0:
             measured_replay = replay_measured(program, config, params.num_layers, kind, args)
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+    memory = args.activation_memory if kind in ("zb_h1", "zbv") and args.activation_memory != 1 else None
     return Row(
-        schedule=kind,
+        schedule=kind if memory is None else f"{kind} (memory x{memory:g})",
         pp=ctx.degrees.pp,
         microbatches=args.microbatches,
         microbatch_rows=args.microbatch_rows,
@@ -450,6 +460,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--layer-costs", nargs=3, type=float, default=[1.0, 1.0, 1.0], metavar=units, help="cost model: a layer's"
+    )
+    parser.add_argument(
+        "--activation-memory",
+        type=float,
+        default=1.0,
+        help="zb_h1/zbv: activation memory a rank may hold, in multiples of 1F1B's (design note 0030)",
     )
     parser.add_argument(
         "--suggest-split",

@@ -185,6 +185,38 @@ def test_cost_aware_programs_keep_the_memory_bound(kind):
 
 
 @pytest.mark.parametrize("kind", sorted(ZERO_BUBBLE))
+@pytest.mark.parametrize("memory", [1.5, 2.0, 4.0])
+def test_an_activation_budget_bounds_what_a_rank_holds(kind, memory):
+    base = {"zb_h1": 4, "zbv": 8}[kind]  # pp=4: 1F1B's memory in stage activations
+    for costs in (None, ANCHOR_ON_H200):
+        schedule = ZERO_BUBBLE[kind].model_copy(update={"activation_memory": memory})
+        config = PipelineConfig(schedule=schedule, costs=costs, virtual_layers_pre=4, virtual_layers_post=3)
+        program = plan_pipeline(config, pp=4, num_layers=32, num_microbatches=16).program(16)
+        validate_program(program)
+        assert base < _peak_alive(program) <= int(base * memory)  # the budget is used, never exceeded
+
+
+def test_more_activation_memory_lets_zbv_fill_the_anchor_bubbles():
+    # Under the anchor's measured costs a weight gradient is 0.43 of a forward: too little to fill the warm-up and
+    # cool-down at 1F1B's memory. Twice the activations lets the order run ahead (ZB-2p's trade); the simulated
+    # bubble must drop well below the published bound's (0.146 -> 0.073 when measured in session 12).
+    shape = {"pp": 4, "num_layers": 32, "num_microbatches": 16}
+    bubbles = {}
+    for memory in (1.0, 2.0):
+        schedule = ZeroBubbleVConfig(activation_memory=memory)
+        config = PipelineConfig(schedule=schedule, costs=ANCHOR_ON_H200, virtual_layers_pre=4, virtual_layers_post=3)
+        bubbles[memory] = simulate_split(config, **shape).bubble
+    assert bubbles[2.0] < 0.6 * bubbles[1.0]
+
+
+def test_an_activation_budget_below_1f1bs_is_refused_naming_the_field():
+    with pytest.raises(ValidationError, match=r"schedule.zbv.activation_memory\n.*greater than or equal to 1"):
+        PipelineConfig.model_validate({"schedule": {"kind": "zbv", "activation_memory": 0.5}})
+    with pytest.raises(ValueError, match=r"activation_memory=0.5 must be a finite factor of at least 1.0"):
+        zero_bubble_v(4, 16, activation_memory=0.5)
+
+
+@pytest.mark.parametrize("kind", sorted(ZERO_BUBBLE))
 @pytest.mark.parametrize("split", [(0, 0), (4, 4), (1, 7)])
 def test_cost_aware_programs_are_no_slower_under_their_costs(kind, split):
     pre, post = split
@@ -227,17 +259,28 @@ def test_suggested_split_is_valid_and_beats_the_even_split(kind):
 
 
 @pytest.mark.distributed(world_size=2, timeout=240)
-def test_cost_aware_zbv_matches_single_process_pp2():
+@pytest.mark.parametrize("memory", [1.0, 2.0])
+def test_cost_aware_zbv_matches_single_process_pp2(memory):
+    # With twice the activation memory the order runs further ahead (more forwards before the first weight
+    # gradients): another program, the same sums.
     costs = PipelineCosts(head=WorkCost(forward=3.0, backward_input=9.0), embedding=WorkCost(backward_weight=0.5))
-    config = PipelineConfig(schedule=ZeroBubbleVConfig(), costs=costs, virtual_layers_post=1)
+    config = PipelineConfig(schedule=ZeroBubbleVConfig(activation_memory=memory), costs=costs, virtual_layers_post=1)
     ctx = context(2)
     plan = plan_pipeline(config, pp=2, num_layers=LAYERS, num_microbatches=ROWS)
     uniform = plan_pipeline(config.model_copy(update={"costs": None}), pp=2, num_layers=LAYERS, num_microbatches=ROWS)
     assert plan.program(ROWS).ranks != uniform.program(ROWS).ranks  # a different order really runs
+    if memory > 1:
+        published = config.model_copy(update={"schedule": ZeroBubbleVConfig()})
+        as_published = plan_pipeline(published, pp=2, num_layers=LAYERS, num_microbatches=ROWS).program(ROWS)
+        assert plan.program(ROWS).ranks != as_published.ranks
+        assert _peak_alive(plan.program(ROWS)) > _peak_alive(as_published)
     record = pipelined_run(ctx, "dense", config, steps=STEPS, global_rows=ROWS)
     errors = errors_against(record, shared_reference("dense", steps=STEPS, global_rows=ROWS))
     if dist.get_rank() == 0:
-        print(f"cost-aware zbv pp=2: loss {errors.loss:.1e} norm {errors.norm:.1e} params {errors.params:.1e}")
+        print(
+            f"cost-aware zbv pp=2 memory {memory}: loss {errors.loss:.1e} norm {errors.norm:.1e}"
+            f" params {errors.params:.1e}"
+        )
     assert errors.loss < LOSS_RTOL
     assert errors.norm < NORM_RTOL
     assert errors.params < PARAM_ATOL
@@ -250,6 +293,8 @@ def test_stage_configs_accept_a_cost_model():
         {"pipeline": {"schedule": {"kind": "zbv"}, "costs": {"head": {"forward": 5.3, "backward_input": 17.8}}}}
     )
     assert topology.pipeline.costs == PipelineCosts(head=WorkCost(forward=5.3, backward_input=17.8))
+    memory = RankTopology.model_validate({"pipeline": {"schedule": {"kind": "zbv", "activation_memory": 1.5}}})
+    assert memory.pipeline.schedule == ZeroBubbleVConfig(activation_memory=1.5)
     with pytest.raises(ValidationError, match=r"pipeline.costs.head.backward\n.*Extra inputs"):
         RankTopology.model_validate({"pipeline": {"costs": {"head": {"backward": 1}}}})
 

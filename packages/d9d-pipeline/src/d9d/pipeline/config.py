@@ -41,12 +41,21 @@ class Interleaved1F1BConfig(_Schedule):
     stages_per_rank: int = Field(default=2, ge=2, description="virtual stages per rank (looped placement)")
 
 
+_ACTIVATION_MEMORY = (
+    "activation memory a rank may hold, as a multiple of 1F1B's (forwards awaiting their weight gradient): 1.0 as "
+    "published; more lets the order run further ahead where weight gradients are too cheap to fill the bubbles "
+    "(2.0 is ZB-2p's trade; design note 0030)"
+)
+
+
 class ZeroBubbleH1Config(_Schedule):
     kind: Literal["zb_h1"] = "zb_h1"
+    activation_memory: float = Field(default=1.0, ge=1.0, le=64.0, allow_inf_nan=False, description=_ACTIVATION_MEMORY)
 
 
 class ZeroBubbleVConfig(_Schedule):
     kind: Literal["zbv"] = "zbv"
+    activation_memory: float = Field(default=1.0, ge=1.0, le=64.0, allow_inf_nan=False, description=_ACTIVATION_MEMORY)
 
 
 class DualPipeVConfig(_Schedule):
@@ -94,9 +103,11 @@ def _builder(
             stages = config.stages_per_rank
             return lambda m: interleaved_one_f_one_b(pp, m, stages)
         case ZeroBubbleH1Config():
-            return lambda m: zero_bubble_h1(pp, m, stage_costs)
+            memory = config.activation_memory
+            return lambda m: zero_bubble_h1(pp, m, stage_costs, activation_memory=memory)
         case ZeroBubbleVConfig():
-            return lambda m: zero_bubble_v(pp, m, stage_costs)
+            memory = config.activation_memory
+            return lambda m: zero_bubble_v(pp, m, stage_costs, activation_memory=memory)
         case DualPipeVConfig():
             return partial(dual_pipe_v, pp)
         case _:

@@ -61,19 +61,35 @@ def interleaved_one_f_one_b(p: int, m: int, v: int) -> tuple[StageLayout, Comput
     return layout, order
 
 
-def zero_bubble_h1(p: int, m: int, stage_costs: Sequence[StageCost] | None = None) -> tuple[StageLayout, ComputeOrder]:
+def zero_bubble_h1(
+    p: int, m: int, stage_costs: Sequence[StageCost] | None = None, *, activation_memory: float = 1.0
+) -> tuple[StageLayout, ComputeOrder]:
     """ZB-H1: 1F1B's peak memory (no rank holds more than `p` micro-batches' activations) with the backward split into
     `I` and `W`; weight gradients fill what would be 1F1B's bubbles (greedy order, see `greedy`). `stage_costs`: one
-    per stage, the durations the greedy order is planned with (None: uniform)."""
+    per stage, the durations the greedy order is planned with (None: uniform). `activation_memory` scales the bound
+    (2.0: ZB-2p's trade of twice the activations for fewer bubbles; design note 0030)."""
     layout = StageLayout(p)
-    return layout, greedy_zero_bubble(layout, m, max_alive=lambda _rank: p, stage_costs=stage_costs)
+    bound = activation_bound(p, activation_memory)
+    return layout, greedy_zero_bubble(layout, m, max_alive=lambda _rank: bound, stage_costs=stage_costs)
 
 
-def zero_bubble_v(p: int, m: int, stage_costs: Sequence[StageCost] | None = None) -> tuple[StageLayout, ComputeOrder]:
+def zero_bubble_v(
+    p: int, m: int, stage_costs: Sequence[StageCost] | None = None, *, activation_memory: float = 1.0
+) -> tuple[StageLayout, ComputeOrder]:
     """ZBV: two stages per rank in a V (rank `r` holds `r` and `2p-1-r`), split backward, greedy zero-bubble order
-    with at most `2p` stage-activations alive per rank (the memory of 1F1B). `stage_costs` as for ZB-H1."""
+    with at most `2p` stage-activations alive per rank (the memory of 1F1B) times `activation_memory`.
+    `stage_costs` as for ZB-H1."""
     layout = StageLayout(p, 2, Placement.V)
-    return layout, greedy_zero_bubble(layout, m, max_alive=lambda _rank: 2 * p, stage_costs=stage_costs)
+    bound = activation_bound(2 * p, activation_memory)
+    return layout, greedy_zero_bubble(layout, m, max_alive=lambda _rank: bound, stage_costs=stage_costs)
+
+
+def activation_bound(base: int, activation_memory: float) -> int:
+    """The forwards a rank may hold before their weight gradients: `base` (1F1B's memory) times `activation_memory`,
+    rounded down, never below `base`."""
+    if not activation_memory >= 1.0 or activation_memory == float("inf"):
+        raise ValueError(f"activation_memory={activation_memory} must be a finite factor of at least 1.0")
+    return max(base, int(base * activation_memory))
 
 
 class _DualPipeVRank:
