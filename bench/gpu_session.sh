@@ -33,8 +33,8 @@
 #              then called directly (the default), on the same machine
 #   pipegraphs: design 0028: cost-aware ZBV 4/3 and 1F1B 1/7 at PIPE_ROWS (default 4) on 4 GPUs, each eager and then
 #              with --cuda-graphs (the compute actions replayed as CUDA graphs), on the same machine
-#   pipemeasured: ZBV 4/3 traced, replayed with its measured per-action GPU ms; then ZBV and 1F1B planned with the
-#              cost model those measurements imply, with CUDA graphs
+#   pipemeasured: ZBV 4/3 and 1F1B 1/7 traced, replayed with their measured per-action GPU ms (and timed in-job by
+#              measure_stage_costs, to compare); then ZBV and 1F1B planned with the implied cost model, with graphs
 #   pipeschedules: 1F1B, interleaved 1F1B, ZBV and DualPipeV at pp=4 with CUDA graphs, planned and split under the
 #              measured cost model (pipemeasured's)
 #   pipememory: design note 0030: 1F1B, then ZBV with 1.0, 1.5, 2.0 x 1F1B's activation memory (measured costs, graphs)
@@ -284,7 +284,7 @@ for part in "$@"; do case $part in
     for item in "zbv 4 3" "1f1b 1 7"; do
       set -- $item
       run 0,1,2,3 ${PIPE_SECONDS:-120} ppmeasured.log $pp --schedules $1 --virtual-layers-pre $2 --virtual-layers-post $3 \
-        --head-costs 5.3 17.8 0 $common --steps 3 --profile-steps 1 --trace-dir "$out/pptraces"
+        --head-costs 5.3 17.8 0 $common --steps 3 --profile-steps 1 --trace-dir "$out/pptraces" --measure-costs
     done
     measured=$(grep -o "zbv: measured cost model .*" "$out/ppmeasured.log" | tail -1 | sed 's/.*cost model //')
     echo "## measured cost model: ${measured:-none}" | tee -a "$out/ppmeasured.log"

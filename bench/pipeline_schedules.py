@@ -55,9 +55,11 @@ from d9d.pipeline import (
     ActivationSpec,
     PipelineConfig,
     PipelineCosts,
+    PipelineSchedule,
     PipelineStage,
     WorkCost,
     build_pipeline_schedule,
+    measure_stage_costs,
     pipeline_group,
     suggest_virtual_layers,
 )
@@ -249,6 +251,42 @@ def replay_measured(
     return bubble
 
 
+def print_measured_costs(
+    schedule: PipelineSchedule,
+    task: Task,
+    batches: list[dict[str, torch.Tensor]],
+    tokens: int,
+    config: PipelineConfig,
+    num_layers: int,
+    kind: str,
+    *,
+    rank: int,
+) -> None:
+    """`measure_stage_costs` (the in-job timer, CUDA events, no profiler) on one more step, whose gradients are
+    dropped; rank 0 prints each stage's ms and the cost model they imply, to compare with the traced measurement."""
+    costs, _ = measure_stage_costs(schedule, task, batches, loss_scale=1.0 / tokens)
+    schedule.model.zero_grad(set_to_none=True)
+    if rank != 0:
+        return
+    for stage, cost in enumerate(costs):
+        print(
+            f"#   {kind} stage {stage} in-job ms: F {cost.forward:.2f} I {cost.backward_input:.2f}"
+            f" W {cost.backward_weight:.2f}"
+        )
+    if any(cost.backward_weight for cost in costs):
+        model = PipelineCosts.from_stage_costs(
+            costs,
+            num_layers,
+            virtual_layers_pre=config.virtual_layers_pre,
+            virtual_layers_post=config.virtual_layers_post,
+        )
+        flags = " ".join(
+            f"--{name}-costs {work.forward:.2f} {work.backward_input:.2f} {work.backward_weight:.2f}"
+            for name, work in (("layer", model.layer), ("head", model.head), ("embedding", model.embedding))
+        )
+        print(f"#   {kind}: in-job cost model {flags}")
+
+
 def measure(ctx: DistributedContext, kind: str, args: argparse.Namespace) -> Row:
     shape = TINY if args.tiny else ANCHOR
     overrides = {"vocab_size": args.vocab_size, "num_layers": args.num_layers}
@@ -316,6 +354,8 @@ def measure(ctx: DistributedContext, kind: str, args: argparse.Namespace) -> Row
 
     for _ in range(args.warmup):
         step()
+    if args.measure_costs:
+        print_measured_costs(schedule, task, batches, tokens, config, params.num_layers, kind, rank=ctx.rank)
     graphs = schedule.executor.graphs
     replays_before = graphs.replays if graphs is not None else 0
     times = [step() for _ in range(args.steps)]
@@ -460,6 +500,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--layer-costs", nargs=3, type=float, default=[1.0, 1.0, 1.0], metavar=units, help="cost model: a layer's"
+    )
+    parser.add_argument(
+        "--measure-costs",
+        action="store_true",
+        help="after the warm-up, time one step's actions in-job (measure_stage_costs) and print the implied model",
     )
     parser.add_argument(
         "--activation-memory",

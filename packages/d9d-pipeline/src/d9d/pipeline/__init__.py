@@ -21,6 +21,7 @@ from d9d.pipeline.config import (
 )
 from d9d.pipeline.costs import PipelineCosts, WorkCost
 from d9d.pipeline.export import gather_pipeline_state, gather_pipeline_tensors
+from d9d.pipeline.measure import measure_stage_costs
 from d9d.pipeline.runtime.executor import PipelineExecutor, SplitBackward
 from d9d.pipeline.runtime.model_view import merge_stage_modules
 from d9d.pipeline.runtime.phase import BackwardPhase, backward_phase, current_backward_phase
@@ -70,6 +71,7 @@ __all__ = [
     "deferring_weight_gradients",
     "gather_pipeline_state",
     "gather_pipeline_tensors",
+    "measure_stage_costs",
     "merge_stage_modules",
     "pipeline_group",
     "pipeline_upstream_group",

@@ -78,6 +78,7 @@ def build_pipeline_schedule(
         device=ctx.device,
         split_backward=split_backward,
         cuda_graphs=config.cuda_graphs,
+        plan=plan,
     )
 
 

@@ -8,20 +8,25 @@ logging work unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from d9d.core.loop.schedule import ScheduleResult
+from d9d.pipeline.costs import PipelineCosts
 from d9d.pipeline.program import Program, StageLayout
 from d9d.pipeline.program.builders import build_program, inference
 from d9d.pipeline.runtime.executor import PipelineExecutor, SplitBackward
 from d9d.pipeline.runtime.model_view import merge_stage_modules
 from d9d.pipeline.runtime.outcome import StepOutcome
 from d9d.pipeline.task import PipelineTask
+
+if TYPE_CHECKING:
+    from d9d.pipeline.config import PipelinePlan
 
 TBatch = TypeVar("TBatch")
 ProgramBuilder = Callable[[int], Program]  # micro-batch count -> validated training program
@@ -32,7 +37,8 @@ class PipelineSchedule:
 
     `model` (what the Trainer optimizes, checkpoints and clips) is the merged view of the stages, see
     `merge_stage_modules`; `run` checks it is that view. `cuda_graphs`: replay training steps' compute actions as
-    CUDA graphs (`PipelineExecutor`, design note 0028; `PipelineConfig.cuda_graphs`).
+    CUDA graphs (`PipelineExecutor`, design note 0028; `PipelineConfig.cuda_graphs`). `plan`: the checked plan the
+    programs come from (`build_pipeline_schedule` passes it), which `replan` rebuilds them from under new costs.
     """
 
     def __init__(
@@ -48,8 +54,9 @@ class PipelineSchedule:
         split_backward: SplitBackward | None = None,
         upstream_group: dist.ProcessGroup | None = None,
         cuda_graphs: bool = False,
+        plan: PipelinePlan | None = None,
     ) -> None:
-        self.name, self._build, self.layout = name, build, layout
+        self.name, self._build, self.layout, self.plan = name, build, layout, plan
         self.pipeline_rank, self.group, self.device = pipeline_rank, group, device
         self.executor = PipelineExecutor(
             modules,
@@ -63,6 +70,20 @@ class PipelineSchedule:
         )
         self.model = merge_stage_modules([modules[stage] for stage in sorted(modules)])
         self._programs: dict[tuple[int, bool], Program] = {}
+
+    def replan(self, costs: PipelineCosts) -> None:
+        """Build the training programs again under `costs` (e.g. `PipelineCosts.from_stage_costs` over
+        `measure_stage_costs`): the zero-bubble builders reorder their actions; the split and the stages stay. Every
+        pipeline rank must call it with the same costs (the builders are deterministic, so the programs agree).
+        Needs the plan `build_pipeline_schedule` records."""
+        if self.plan is None:
+            raise ValueError(
+                f"schedule {self.name!r} was built without a PipelinePlan (plan=None); replan needs one: build it "
+                "with build_pipeline_schedule, or pass plan= to PipelineSchedule"
+            )
+        self.plan = dataclasses.replace(self.plan, config=self.plan.config.model_copy(update={"costs": costs}))
+        self._build = self.plan.program
+        self._programs = {key: program for key, program in self._programs.items() if not key[1]}
 
     def program(self, num_microbatches: int, *, training: bool) -> Program:
         """The validated program for `num_microbatches` (built once per count and mode)."""

@@ -31,6 +31,7 @@ from torch import nn
 
 from d9d.core.loop.protocols import LossResult
 from d9d.pipeline.program import Action, ActionKind, Program, StageLayout
+from d9d.pipeline.runtime.action_timing import ActionTimer
 from d9d.pipeline.runtime.cuda_graphs import ActionGraphs, StaticSums
 from d9d.pipeline.runtime.fsdp_reduction import DeferredReduction, fsdp_roots
 from d9d.pipeline.runtime.outcome import StepOutcome
@@ -163,6 +164,8 @@ class PipelineExecutor:
         self._plans: dict[int, tuple[Program, _RankPlan]] = {}  # id(program) -> (program, plan); holds the program
         # Training steps replayed as CUDA graphs (runtime/cuda_graphs.py); None: every step runs the interpreter.
         self.graphs = ActionGraphs(self) if cuda_graphs else None
+        # Set (e.g. by `measure_stage_costs`): every compute action is timed, and steps run the interpreter.
+        self.action_timer: ActionTimer | None = None
 
     @property
     def fsdp_stages(self) -> tuple[int, ...]:
@@ -195,7 +198,7 @@ class PipelineExecutor:
                 f"program {program.name!r} is for {program.num_microbatches} micro-batches, got {len(batches)}"
             )
         plan = self._plan(program)
-        if self.graphs is not None and program.training:
+        if self.graphs is not None and program.training and self.action_timer is None:
             outcome = self.graphs.run(program, plan, task, batches, loss_scale)
             if outcome is not None:
                 return outcome
@@ -212,7 +215,9 @@ class PipelineExecutor:
             for reduction in deferred.values():
                 reduction.begin()
             for index, action in enumerate(plan.actions):
-                if action.kind.is_compute:
+                if action.kind.is_compute and self.action_timer is not None:
+                    self._timed_compute(action, task, step, self.action_timer)
+                elif action.kind.is_compute:
                     self._compute(action, task, step)
                 else:
                     assert comm is not None, f"{action} in a single-rank program"
@@ -296,6 +301,16 @@ class PipelineExecutor:
         return buffer
 
     # Compute -------------------------------------------------------------------------------------------------------
+
+    def _timed_compute(self, action: Action, task: PipelineTask[Any], step: _Step, timer: ActionTimer) -> None:
+        """`_compute` bracketed by `timer`, its received inputs waited for first so the time is the action's own."""
+        for key in self.receives_of(action):
+            entry = step.received.get(key)
+            if entry is not None:
+                entry[1].wait()
+        timer.start(action)
+        self._compute(action, task, step)
+        timer.stop(action)
 
     def _compute(self, action: Action, task: PipelineTask[Any], step: _Step) -> None:
         key = (action.stage, action.microbatch)

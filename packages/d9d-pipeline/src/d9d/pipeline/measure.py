@@ -1,0 +1,60 @@
+"""`measure_stage_costs`: what every stage's forward, input gradient and weight gradient take, measured in a real
+training step of the schedule, for a cost model (`PipelineCosts.from_stage_costs`, design note 0030)."""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from d9d.core.loop.schedule import ScheduleResult
+from d9d.pipeline.program import ActionKind, StageCost
+from d9d.pipeline.runtime.action_timing import ActionTimer
+from d9d.pipeline.schedule import PipelineSchedule
+
+
+def measure_stage_costs(
+    schedule: PipelineSchedule, task: Any, batches: Sequence[Any], *, loss_scale: float
+) -> tuple[tuple[StageCost, ...], ScheduleResult]:
+    """Run one training step of `schedule` over `batches` with every compute action timed; return each global
+    stage's median ms per micro-batch (forward, input gradient, weight gradient; a full backward counts as input
+    gradient, with weight gradient 0), and the step's result. Every rank of the job gets the same costs (each is
+    the median over the ranks that ran that stage, e.g. over data-parallel replicas), so programs planned from them
+    agree everywhere, as the collectives of data parallelism need.
+
+    It is a real step: gradients accumulate as in any step (take it as a step, or zero them after). It runs the
+    interpreter even where CUDA graphs are on, and a duration never includes a wait for a peer (see
+    `runtime/action_timing.py`). Call it on every pipeline rank together, after a warm-up step: a first step also
+    times allocator growth, compilation and communicator set-up.
+    """
+    executor = schedule.executor
+    timer = ActionTimer(schedule.device)
+    executor.action_timer = timer
+    try:
+        result = schedule.run(schedule.model, task, batches, loss_scale=loss_scale, backward=True)
+    finally:
+        executor.action_timer = None
+    local = {(kind.name, stage): ms for (kind, stage), ms in timer.medians_ms().items()}
+    gathered: list[Any] = [local]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local)
+    samples: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for part in gathered:
+        for key, ms in part.items():
+            samples[key].append(ms)
+    merged = {key: statistics.median(values) for key, values in samples.items()}
+    costs = []
+    for stage in range(schedule.layout.num_stages):
+        full = merged.get((ActionKind.BACKWARD.name, stage))
+        costs.append(
+            StageCost(
+                forward=merged.get((ActionKind.FORWARD.name, stage), 0.0),
+                backward_input=full if full is not None else merged.get((ActionKind.BACKWARD_INPUT.name, stage), 0.0),
+                backward_weight=merged.get((ActionKind.BACKWARD_WEIGHT.name, stage), 0.0),
+            )
+        )
+    return tuple(costs), result

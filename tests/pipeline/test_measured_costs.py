@@ -1,0 +1,107 @@
+"""Measured costs inside a job (design note 0030): `measure_stage_costs` times every compute action of a real step
+of the schedule, `PipelineCosts.from_stage_costs` turns the durations into a cost model, and
+`PipelineSchedule.replan` rebuilds the zero-bubble programs under it for the steps that follow.
+
+On gloo, tiny Qwen3 dense, pp=2 ZBV (4 stages of 2 layers). The durations are the CPU's wall clock and noisy, so the
+test checks what must hold whatever they are: every rank gets the same costs, timing does not change the step's
+arithmetic (loss and gradients bitwise equal to an untimed step), and the replanned program computes the same
+gradients as the original one in another order. Tolerance for that: float32 sums in another order, a few ulps of
+values about 1 (1e-5 relative, as the parity tests).
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from pipeline_workload import (
+    LAYERS,
+    SEQ,
+    VOCAB,
+    CausalLMPipelineTask,
+    build_meta,
+    context,
+    load_initial,
+)
+
+from d9d.core.loop.synthetic import SyntheticTokenSource
+from d9d.models import materialize_
+from d9d.pipeline import (
+    PipelineConfig,
+    PipelineCosts,
+    PipelineStage,
+    ZeroBubbleVConfig,
+    build_pipeline_schedule,
+    measure_stage_costs,
+)
+from d9d.pipeline.program import validate_program
+
+MICROBATCHES = 8
+GRAD_RTOL = 1e-5
+
+
+def _gradients(schedule, task, batches, loss_scale):
+    for param in schedule.model.parameters():
+        param.grad = None
+    result = schedule.run(schedule.model, task, batches, loss_scale=loss_scale, backward=True)
+    grads = {name: param.grad.detach().clone() for name, param in schedule.model.named_parameters()}
+    return float(result.loss_sum), grads
+
+
+@pytest.mark.distributed(world_size=2, timeout=240)
+def test_a_measured_step_replans_the_schedule_without_changing_its_arithmetic():
+    ctx = context(2)
+
+    def build_stage(stage: PipelineStage) -> torch.nn.Module:
+        module = build_meta("dense", stage)
+        materialize_(module, ctx.device)
+        load_initial(module, "dense")
+        return module
+
+    config = PipelineConfig(schedule=ZeroBubbleVConfig())
+    schedule = build_pipeline_schedule(
+        config, ctx, num_layers=LAYERS, num_microbatches=MICROBATCHES, build_stage=build_stage
+    )
+    task = CausalLMPipelineTask()
+    source = SyntheticTokenSource(
+        seed=5,
+        global_rows=MICROBATCHES,
+        microbatch_rows=1,
+        seq_len=SEQ,
+        vocab_size=VOCAB,
+        dp_rank=0,
+        dp_size=1,
+        ignore_fraction=0.3,
+    )
+    batches = source.next_step()
+    loss_scale = 1.0 / sum(task.count_tokens(batch) for batch in batches)
+    loss, grads = _gradients(schedule, task, batches, loss_scale)  # also the warm-up the docstring asks for
+
+    for param in schedule.model.parameters():
+        param.grad = None
+    costs, measured = measure_stage_costs(schedule, task, batches, loss_scale=loss_scale)
+    assert float(measured.loss_sum) == loss  # timing waits and brackets, it computes nothing else
+    for name, param in schedule.model.named_parameters():
+        assert torch.equal(param.grad, grads[name]), name
+
+    assert len(costs) == 4  # every global stage, whichever rank ran it
+    assert all(cost.forward > 0 and cost.backward_weight > 0 for cost in costs)
+    assert all(cost.backward_input > 0 for cost in costs[1:])  # stage 0 has no input gradient to compute
+    everyone: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, costs)
+    assert all(other == costs for other in everyone)
+
+    model = PipelineCosts.from_stage_costs(costs, LAYERS)
+    assert model.layer.forward == 1.0
+    before = schedule.program(MICROBATCHES, training=True)
+    schedule.replan(model)
+    assert schedule.program(MICROBATCHES, training=True) is not before  # built again, under the measured costs
+    assert schedule.plan is not None
+    assert schedule.plan.config.costs == model
+    validate_program(schedule.program(MICROBATCHES, training=True))
+    replanned_loss, replanned = _gradients(schedule, task, batches, loss_scale)
+    assert replanned_loss == pytest.approx(loss, rel=GRAD_RTOL)
+    for name, grad in grads.items():
+        torch.testing.assert_close(replanned[name], grad, rtol=GRAD_RTOL, atol=1e-7, msg=name)
+
+    schedule.plan = None
+    with pytest.raises(ValueError, match=r"built without a PipelinePlan \(plan=None\)"):
+        schedule.replan(model)
