@@ -27,7 +27,7 @@ def measure_stage_costs(
 
     It is a real step: gradients accumulate as in any step (take it as a step, or zero them after). It runs the
     interpreter even where CUDA graphs are on, and a duration never includes a wait for a peer (see
-    `runtime/action_timing.py`). Call it on every pipeline rank together, after a warm-up step: a first step also
+    `runtime/action_timing.py`). Call it on every rank of the job together, after a warm-up step: a first step also
     times allocator growth, compilation and communicator set-up.
     """
     executor = schedule.executor
