@@ -57,6 +57,7 @@ from d9d.pipeline import (
     ActivationSpec,
     PipelineAuxLosses,
     PipelineConfig,
+    PipelineCosts,
     PipelineSchedule,
     PipelineStage,
     build_pipeline_schedule,
@@ -175,6 +176,7 @@ class RunRecord:
     deferred_weight_gradients: int = 0  # weight gradients the executor's weight-gradient store deferred to W
     graph_replays: int = 0  # steps the executor only replayed as CUDA graphs (PipelineConfig.cuda_graphs)
     graph_fallback: str | None = None  # why the last step ran eagerly under cuda_graphs (None: it replayed)
+    measured_costs: PipelineCosts | None = None  # what PipelineConfig.measure_costs_at_step measured
 
 
 def reference_run(family: str, *, steps: int, global_rows: int, seed: int = 5) -> list[RunRecord]:
@@ -319,6 +321,7 @@ def pipelined_run(
         deferred_weight_gradients=schedule.executor.deferred_weight_gradients,
         graph_replays=graphs.replays if (graphs := schedule.executor.graphs) is not None else 0,
         graph_fallback=graphs.reason if graphs is not None else None,
+        measured_costs=schedule.measured_costs,
     )
 
 

@@ -293,8 +293,11 @@ def test_stage_configs_accept_a_cost_model():
         {"pipeline": {"schedule": {"kind": "zbv"}, "costs": {"head": {"forward": 5.3, "backward_input": 17.8}}}}
     )
     assert topology.pipeline.costs == PipelineCosts(head=WorkCost(forward=5.3, backward_input=17.8))
-    memory = RankTopology.model_validate({"pipeline": {"schedule": {"kind": "zbv", "activation_memory": 1.5}}})
+    memory = RankTopology.model_validate(
+        {"pipeline": {"schedule": {"kind": "zbv", "activation_memory": 1.5}, "measure_costs_at_step": 2}}
+    )
     assert memory.pipeline.schedule == ZeroBubbleVConfig(activation_memory=1.5)
+    assert memory.pipeline.measure_costs_at_step == 2
     with pytest.raises(ValidationError, match=r"pipeline.costs.head.backward\n.*Extra inputs"):
         RankTopology.model_validate({"pipeline": {"costs": {"head": {"backward": 1}}}})
 

@@ -19,8 +19,16 @@ from pipeline_workload import (
     CausalLMPipelineTask,
     build_meta,
     context,
+    errors_against,
     load_initial,
+    pipelined_run,
+    shared_reference,
 )
+from pydantic import ValidationError
+
+# The parity tests' workload and float32 tolerances (their docstring explains them): a replanned program reorders
+# the same actions, so the sums differ from single-process training by the same few ulps.
+from test_pipeline_parity import LOSS_RTOL, NORM_RTOL, PARAM_ATOL, ROWS, STEPS
 
 from d9d.core.loop.synthetic import SyntheticTokenSource
 from d9d.models import materialize_
@@ -28,9 +36,11 @@ from d9d.pipeline import (
     PipelineConfig,
     PipelineCosts,
     PipelineStage,
+    ZeroBubbleH1Config,
     ZeroBubbleVConfig,
     build_pipeline_schedule,
     measure_stage_costs,
+    plan_pipeline,
 )
 from d9d.pipeline.program import validate_program
 
@@ -105,3 +115,34 @@ def test_a_measured_step_replans_the_schedule_without_changing_its_arithmetic():
     schedule.plan = None
     with pytest.raises(ValueError, match=r"built without a PipelinePlan \(plan=None\)"):
         schedule.replan(model)
+
+
+@pytest.mark.distributed(world_size=2, timeout=240)
+def test_measuring_at_step_two_replans_the_rest_and_training_matches_single_process():
+    # Step 1 warms up, step 2 is timed (a real step: the Trainer uses its loss and gradients), steps 3-10 run the
+    # program planned under the measured model; the run must still be single-process training.
+    config = PipelineConfig(schedule=ZeroBubbleVConfig(activation_memory=1.5), measure_costs_at_step=2)
+    record = pipelined_run(context(2), "dense", config, steps=STEPS, global_rows=ROWS)
+    assert record.measured_costs is not None
+    assert record.measured_costs.layer.forward == 1.0
+    assert record.measured_costs.layer.backward_input > 0
+    errors = errors_against(record, shared_reference("dense", steps=STEPS, global_rows=ROWS))
+    if dist.get_rank() == 0:
+        print(f"measured at step 2: loss {errors.loss:.1e} norm {errors.norm:.1e} params {errors.params:.1e}")
+    assert errors.loss < LOSS_RTOL
+    assert errors.norm < NORM_RTOL
+    assert errors.params < PARAM_ATOL
+
+
+def test_measuring_costs_is_refused_where_nothing_could_use_them():
+    with pytest.raises(ValueError, match=r"measure_costs_at_step=2 with schedule '1f1b'.*\(zb_h1, zbv\)"):
+        plan_pipeline(PipelineConfig(measure_costs_at_step=2), pp=4, num_layers=LAYERS, num_microbatches=MICROBATCHES)
+    with pytest.raises(ValueError, match=r"measure_costs_at_step=3: 2 stages \(pp=2, zb_h1\).*pp of at least 3"):
+        plan_pipeline(
+            PipelineConfig(schedule=ZeroBubbleH1Config(), measure_costs_at_step=3),
+            pp=2,
+            num_layers=LAYERS,
+            num_microbatches=MICROBATCHES,
+        )
+    with pytest.raises(ValidationError, match=r"measure_costs_at_step\n.*greater than or equal to 1"):
+        PipelineConfig.model_validate({"measure_costs_at_step": 0})

@@ -79,6 +79,7 @@ def build_pipeline_schedule(
         split_backward=split_backward,
         cuda_graphs=config.cuda_graphs,
         plan=plan,
+        measure_costs_at_step=config.measure_costs_at_step,
     )
 
 

@@ -87,6 +87,13 @@ class PipelineConfig(BaseModel):
         description="replay each training step's compute actions as CUDA graphs after a warm-up and a capture step "
         "(design note 0028); what cannot be captured (CPU, FSDP stages, MoE layers) runs eagerly with a logged reason",
     )
+    measure_costs_at_step: int | None = Field(
+        default=None,
+        ge=1,
+        description="time every compute action of this training step of the process (1-based; 2 or later, after a "
+        "warm-up) and plan the following steps under the cost model the durations imply, replacing `costs` "
+        "(zb_h1, zbv; design note 0030). None: plan with `costs` throughout",
+    )
 
 
 def _builder(
@@ -210,8 +217,29 @@ def plan_pipeline(
             f"{layout.num_stages} stages (pp={pp} x {layout_stages} for {kind}); even_split asks for equal shares"
         )
     plan = PipelinePlan(config=config, layout=layout, num_layers=num_layers)
+    if config.measure_costs_at_step is not None:
+        check_measurable(plan)
     plan.program(num_microbatches)  # builds and validates: any schedule bug fails here, before ranks start
     return plan
+
+
+def check_measurable(plan: PipelinePlan) -> None:
+    """Raise `ValueError` naming the values when `measure_costs_at_step` cannot work for `plan`: the schedule must
+    plan with costs, and a cost model needs a stage holding layers and neither the embedding nor the head."""
+    config, kind = plan.config, plan.config.schedule.kind
+    if kind not in ("zb_h1", "zbv"):
+        raise ValueError(
+            f"measure_costs_at_step={config.measure_costs_at_step} with schedule {kind!r}: only the schedules that "
+            "plan with costs (zb_h1, zbv) can use what is measured; unset it or pick one of them"
+        )
+    stages = [plan.stage(index) for index in range(plan.layout.num_stages)]
+    if not any(s.layers(plan.num_layers) and not s.is_first and not s.is_last for s in stages):
+        raise ValueError(
+            f"measure_costs_at_step={config.measure_costs_at_step}: {len(stages)} stages (pp={plan.layout.pp}, "
+            f"{kind}) with virtual_layers_pre={config.virtual_layers_pre} and virtual_layers_post="
+            f"{config.virtual_layers_post} leave no stage with layers and neither the embedding nor the head, which a "
+            "cost model measures a layer on; use zbv, pp of at least 3, or fewer virtual layers"
+        )
 
 
 def _placement(kind: str) -> Placement:

@@ -3,16 +3,12 @@ training step of the schedule, for a cost model (`PipelineCosts.from_stage_costs
 
 from __future__ import annotations
 
-import statistics
-from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
-import torch.distributed as dist
-
 from d9d.core.loop.schedule import ScheduleResult
-from d9d.pipeline.program import ActionKind, StageCost
-from d9d.pipeline.runtime.action_timing import ActionTimer
+from d9d.pipeline.program import StageCost
+from d9d.pipeline.runtime.action_timing import ActionTimer, gather_stage_costs
 from d9d.pipeline.schedule import PipelineSchedule
 
 
@@ -37,24 +33,4 @@ def measure_stage_costs(
         result = schedule.run(schedule.model, task, batches, loss_scale=loss_scale, backward=True)
     finally:
         executor.action_timer = None
-    local = {(kind.name, stage): ms for (kind, stage), ms in timer.medians_ms().items()}
-    gathered: list[Any] = [local]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, local)
-    samples: dict[tuple[str, int], list[float]] = defaultdict(list)
-    for part in gathered:
-        for key, ms in part.items():
-            samples[key].append(ms)
-    merged = {key: statistics.median(values) for key, values in samples.items()}
-    costs = []
-    for stage in range(schedule.layout.num_stages):
-        full = merged.get((ActionKind.BACKWARD.name, stage))
-        costs.append(
-            StageCost(
-                forward=merged.get((ActionKind.FORWARD.name, stage), 0.0),
-                backward_input=full if full is not None else merged.get((ActionKind.BACKWARD_INPUT.name, stage), 0.0),
-                backward_weight=merged.get((ActionKind.BACKWARD_WEIGHT.name, stage), 0.0),
-            )
-        )
-    return tuple(costs), result
+    return gather_stage_costs(timer, schedule.layout.num_stages), result

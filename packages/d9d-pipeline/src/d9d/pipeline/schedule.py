@@ -9,6 +9,7 @@ logging work unchanged.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -20,6 +21,7 @@ from d9d.core.loop.schedule import ScheduleResult
 from d9d.pipeline.costs import PipelineCosts
 from d9d.pipeline.program import Program, StageLayout
 from d9d.pipeline.program.builders import build_program, inference
+from d9d.pipeline.runtime.action_timing import ActionTimer, gather_stage_costs
 from d9d.pipeline.runtime.executor import PipelineExecutor, SplitBackward
 from d9d.pipeline.runtime.model_view import merge_stage_modules
 from d9d.pipeline.runtime.outcome import StepOutcome
@@ -28,6 +30,7 @@ from d9d.pipeline.task import PipelineTask
 if TYPE_CHECKING:
     from d9d.pipeline.config import PipelinePlan
 
+logger = logging.getLogger(__name__)
 TBatch = TypeVar("TBatch")
 ProgramBuilder = Callable[[int], Program]  # micro-batch count -> validated training program
 
@@ -55,8 +58,16 @@ class PipelineSchedule:
         upstream_group: dist.ProcessGroup | None = None,
         cuda_graphs: bool = False,
         plan: PipelinePlan | None = None,
+        measure_costs_at_step: int | None = None,
     ) -> None:
+        if measure_costs_at_step is not None and plan is None:
+            raise ValueError(
+                f"measure_costs_at_step={measure_costs_at_step} needs the PipelinePlan to replan from (plan=None)"
+            )
         self.name, self._build, self.layout, self.plan = name, build, layout, plan
+        self.measure_costs_at_step = measure_costs_at_step
+        self.training_steps = 0  # training steps this schedule ran (measure_costs_at_step counts them)
+        self.measured_costs: PipelineCosts | None = None  # what measure_costs_at_step measured, once it has
         self.pipeline_rank, self.group, self.device = pipeline_rank, group, device
         self.executor = PipelineExecutor(
             modules,
@@ -117,11 +128,44 @@ class PipelineSchedule:
         if not isinstance(task, PipelineTask):
             raise TypeError(f"{type(task).__name__} cannot run pipelined: it lacks forward_stage/activation_spec")
         program = self.program(len(microbatches), training=backward)
-        outcome = self.executor.run(program, task, microbatches, loss_scale=loss_scale)
+        timer = None
+        if backward:
+            self.training_steps += 1
+            if self.training_steps == self.measure_costs_at_step and self.executor.action_timer is None:
+                timer = self.executor.action_timer = ActionTimer(self.device)
+        try:
+            outcome = self.executor.run(program, task, microbatches, loss_scale=loss_scale)
+        finally:
+            if timer is not None:
+                self.executor.action_timer = None
         outcome = self._share_last_stage(outcome)
+        if timer is not None:
+            self._replan_from(timer)
         return ScheduleResult(
             loss_sum=torch.tensor(outcome.loss_sum, dtype=torch.float64, device=self.device),
             metric_sums=outcome.metric_sums,
+        )
+
+    def _replan_from(self, timer: ActionTimer) -> None:
+        """The cost model this step's durations imply, and the programs of the following steps planned with it."""
+        assert self.plan is not None
+        config = self.plan.config
+        self.measured_costs = PipelineCosts.from_stage_costs(
+            gather_stage_costs(timer, self.layout.num_stages),
+            self.plan.num_layers,
+            virtual_layers_pre=config.virtual_layers_pre,
+            virtual_layers_post=config.virtual_layers_post,
+        )
+        self.replan(self.measured_costs)
+        costs = self.measured_costs
+        logger.info(
+            "pipeline %s: costs measured at training step %d (layer-forwards), later steps planned with them: "
+            "layer %s; head %s; embedding %s",
+            self.name,
+            self.training_steps,
+            costs.layer,
+            costs.head,
+            costs.embedding,
         )
 
     def _share_last_stage(self, outcome: StepOutcome) -> StepOutcome:

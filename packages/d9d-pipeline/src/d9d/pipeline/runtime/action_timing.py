@@ -13,8 +13,9 @@ import time
 from collections import defaultdict
 
 import torch
+import torch.distributed as dist
 
-from d9d.pipeline.program import Action, ActionKind
+from d9d.pipeline.program import Action, ActionKind, StageCost
 
 
 class ActionTimer:
@@ -62,3 +63,32 @@ class ActionTimer:
     def medians_ms(self) -> dict[tuple[ActionKind, int], float]:
         """The median duration per (action kind, global stage)."""
         return {key: statistics.median(values) for key, values in self.durations_ms().items()}
+
+
+def gather_stage_costs(timer: ActionTimer, num_stages: int) -> tuple[StageCost, ...]:
+    """Each global stage's median ms per forward, input gradient and weight gradient (a full backward counts as input
+    gradient, weight gradient 0), the same on every rank: gathered over the whole job, each the median over the
+    ranks that ran the stage (data-parallel replicas too), so programs planned from them agree everywhere, as data
+    parallelism's collectives need. Every rank of the job calls it together."""
+    local = {(kind.name, stage): ms for (kind, stage), ms in timer.medians_ms().items()}
+    gathered: list[object] = [local]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local)
+    samples: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for part in gathered:
+        assert isinstance(part, dict)
+        for key, ms in part.items():
+            samples[key].append(ms)
+    merged = {key: statistics.median(values) for key, values in samples.items()}
+    costs = []
+    for stage in range(num_stages):
+        full = merged.get((ActionKind.BACKWARD.name, stage))
+        costs.append(
+            StageCost(
+                forward=merged.get((ActionKind.FORWARD.name, stage), 0.0),
+                backward_input=full if full is not None else merged.get((ActionKind.BACKWARD_INPUT.name, stage), 0.0),
+                backward_weight=merged.get((ActionKind.BACKWARD_WEIGHT.name, stage), 0.0),
+            )
+        )
+    return tuple(costs)
