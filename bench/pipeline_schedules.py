@@ -38,7 +38,7 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -225,18 +225,9 @@ def replay_measured(
         stage_costs_ms.append(StageCost(kinds.get("FORWARD", 0.0), backward_input, kinds.get("BACKWARD_WEIGHT", 0.0)))
         print(f"#   {kind} stage {stage} GPU ms per action: " + ", ".join(f"{k} {v:.2f}" for k, v in kinds.items()))
     bubble = replay(program, ActionCosts(stage_costs=tuple(stage_costs_ms))).bubble_fraction
-    if any(cost.backward_weight for cost in stage_costs_ms):  # a split-backward schedule: the halves are apart
-        derived = PipelineCosts.from_stage_costs(
-            stage_costs_ms,
-            num_layers,
-            virtual_layers_pre=config.virtual_layers_pre,
-            virtual_layers_post=config.virtual_layers_post,
-        )
-        flags = " ".join(
-            f"--{name}-costs {work.forward:.2f} {work.backward_input:.2f} {work.backward_weight:.2f}"
-            for name, work in (("layer", derived.layer), ("head", derived.head), ("embedding", derived.embedding))
-        )
-        print(f"#   {kind}: measured cost model {flags}")
+    derived = implied_cost_model(stage_costs_ms, config, num_layers)
+    if derived is not None:
+        print(f"#   {kind}: measured cost model {cost_flags(derived)}")
         for other in ("1f1b", "interleaved_1f1b", "zbv", "dualpipe_v"):
             planned = PipelineConfig.model_validate(
                 {**config.model_dump(), "schedule": schedule_config(other, args), "costs": derived.model_dump()}
@@ -273,18 +264,29 @@ def print_measured_costs(
             f"#   {kind} stage {stage} in-job ms: F {cost.forward:.2f} I {cost.backward_input:.2f}"
             f" W {cost.backward_weight:.2f}"
         )
-    if any(cost.backward_weight for cost in costs):
-        model = PipelineCosts.from_stage_costs(
-            costs,
-            num_layers,
-            virtual_layers_pre=config.virtual_layers_pre,
-            virtual_layers_post=config.virtual_layers_post,
-        )
-        flags = " ".join(
-            f"--{name}-costs {work.forward:.2f} {work.backward_input:.2f} {work.backward_weight:.2f}"
-            for name, work in (("layer", model.layer), ("head", model.head), ("embedding", model.embedding))
-        )
-        print(f"#   {kind}: in-job cost model {flags}")
+    model = implied_cost_model(costs, config, num_layers)
+    if model is not None:
+        print(f"#   {kind}: in-job cost model {cost_flags(model)}")
+
+
+def implied_cost_model(costs: Sequence[StageCost], config: PipelineConfig, num_layers: int) -> PipelineCosts | None:
+    """The cost model measured per-stage durations imply; None for a full-backward schedule (no halves to tell)."""
+    if not any(cost.backward_weight for cost in costs):
+        return None
+    return PipelineCosts.from_stage_costs(
+        costs,
+        num_layers,
+        virtual_layers_pre=config.virtual_layers_pre,
+        virtual_layers_post=config.virtual_layers_post,
+    )
+
+
+def cost_flags(model: PipelineCosts) -> str:
+    """`model` as this script's `--layer-costs/--head-costs/--embedding-costs` arguments."""
+    return " ".join(
+        f"--{name}-costs {work.forward:.2f} {work.backward_input:.2f} {work.backward_weight:.2f}"
+        for name, work in (("layer", model.layer), ("head", model.head), ("embedding", model.embedding))
+    )
 
 
 def measure(ctx: DistributedContext, kind: str, args: argparse.Namespace) -> Row:

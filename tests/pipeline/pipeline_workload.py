@@ -227,6 +227,21 @@ def shared_reference(
     return records
 
 
+def synthetic_source(*, seed: int, global_rows: int, dp_rank: int = 0, dp_size: int = 1) -> SyntheticTokenSource:
+    """The workload's synthetic batches (one row per micro-batch), by default all of them on one data-parallel
+    rank."""
+    return SyntheticTokenSource(
+        seed=seed,
+        global_rows=global_rows,
+        microbatch_rows=1,
+        seq_len=SEQ,
+        vocab_size=VOCAB,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        ignore_fraction=0.3,
+    )
+
+
 def pipelined_run(
     ctx: DistributedContext,
     family: str,
@@ -280,16 +295,7 @@ def pipelined_run(
 
     def data(ctx: DistributedContext, microbatches: int) -> SyntheticTokenSource:
         coordinate = ctx.coordinate(MeshDomain.BATCH)
-        return SyntheticTokenSource(
-            seed=seed,
-            global_rows=global_rows,
-            microbatch_rows=1,
-            seq_len=SEQ,
-            vocab_size=VOCAB,
-            dp_rank=coordinate["dp"],
-            dp_size=dp,
-            ignore_fraction=0.3,
-        )
+        return synthetic_source(seed=seed, global_rows=global_rows, dp_rank=coordinate["dp"], dp_size=dp)
 
     events = EventBus()
     norms: list[float] = []

@@ -14,8 +14,6 @@ import torch
 import torch.distributed as dist
 from pipeline_workload import (
     LAYERS,
-    SEQ,
-    VOCAB,
     CausalLMPipelineTask,
     build_meta,
     context,
@@ -23,6 +21,7 @@ from pipeline_workload import (
     load_initial,
     pipelined_run,
     shared_reference,
+    synthetic_source,
 )
 from pydantic import ValidationError
 
@@ -30,7 +29,6 @@ from pydantic import ValidationError
 # the same actions, so the sums differ from single-process training by the same few ulps.
 from test_pipeline_parity import LOSS_RTOL, NORM_RTOL, PARAM_ATOL, ROWS, STEPS
 
-from d9d.core.loop.synthetic import SyntheticTokenSource
 from d9d.models import materialize_
 from d9d.pipeline import (
     PipelineConfig,
@@ -71,16 +69,7 @@ def test_a_measured_step_replans_the_schedule_without_changing_its_arithmetic():
         config, ctx, num_layers=LAYERS, num_microbatches=MICROBATCHES, build_stage=build_stage
     )
     task = CausalLMPipelineTask()
-    source = SyntheticTokenSource(
-        seed=5,
-        global_rows=MICROBATCHES,
-        microbatch_rows=1,
-        seq_len=SEQ,
-        vocab_size=VOCAB,
-        dp_rank=0,
-        dp_size=1,
-        ignore_fraction=0.3,
-    )
+    source = synthetic_source(seed=5, global_rows=MICROBATCHES)
     batches = source.next_step()
     loss_scale = 1.0 / sum(task.count_tokens(batch) for batch in batches)
     loss, grads = _gradients(schedule, task, batches, loss_scale)  # also the warm-up the docstring asks for

@@ -6,12 +6,11 @@ import pytest
 import torch
 from pipeline_workload import (
     LAYERS,
-    SEQ,
-    VOCAB,
     CausalLMPipelineTask,
     build_meta,
     context,
     load_initial,
+    synthetic_source,
 )
 
 from d9d.core.loop import Inference, SyntheticTokenSource, evaluate
@@ -28,16 +27,7 @@ ROWS, STEPS = 4, 2
 
 
 def _source() -> SyntheticTokenSource:
-    return SyntheticTokenSource(
-        seed=11,
-        global_rows=ROWS,
-        microbatch_rows=1,
-        seq_len=SEQ,
-        vocab_size=VOCAB,
-        dp_rank=0,
-        dp_size=1,
-        ignore_fraction=0.3,
-    )
+    return synthetic_source(seed=11, global_rows=ROWS)
 
 
 @pytest.mark.parametrize("schedule", [ZeroBubbleVConfig(), Interleaved1F1BConfig()])
