@@ -91,8 +91,11 @@ def test_a_measured_step_replans_the_schedule_without_changing_its_arithmetic():
     model = PipelineCosts.from_stage_costs(costs, LAYERS)
     assert model.layer.forward == 1.0
     before = schedule.program(MICROBATCHES, training=True)
+    assert any(program is before for program in schedule.executor.programs_held())
     schedule.replan(model)
     assert schedule.program(MICROBATCHES, training=True) is not before  # built again, under the measured costs
+    # The old program never runs again: the executor lets go of it (on a GPU its CUDA graphs' memory pool too).
+    assert all(program is not before for program in schedule.executor.programs_held())
     assert schedule.plan is not None
     assert schedule.plan.config.costs == model
     validate_program(schedule.program(MICROBATCHES, training=True))

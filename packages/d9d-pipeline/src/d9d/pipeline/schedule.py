@@ -94,6 +94,9 @@ class PipelineSchedule:
             )
         self.plan = dataclasses.replace(self.plan, config=self.plan.config.model_copy(update={"costs": costs}))
         self._build = self.plan.program
+        for (_, training), program in self._programs.items():
+            if training:  # never runs again: its rank plan and CUDA graphs (a memory pool each) go now
+                self.executor.forget(program)
         self._programs = {key: program for key, program in self._programs.items() if not key[1]}
 
     def program(self, num_microbatches: int, *, training: bool) -> Program:

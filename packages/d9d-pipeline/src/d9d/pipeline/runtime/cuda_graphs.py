@@ -189,6 +189,17 @@ class ActionGraphs:
 
     # Steps ---------------------------------------------------------------------------------------------------------
 
+    def forget(self, program: Program) -> None:
+        """Drop `program`'s warm-up or capture and release its graphs and memory pool (it will not run again)."""
+        state = self._programs.get(id(program))
+        if state is not None and state.program is program:
+            state.release()
+            del self._programs[id(program)]
+
+    def programs(self) -> tuple[Program, ...]:
+        """The programs this holds a warm-up or a capture of."""
+        return tuple(state.program for state in self._programs.values())
+
     def run(
         self, program: Program, plan: _RankPlan, task: Any, batches: Sequence[Any], loss_scale: float
     ) -> StepOutcome | None:

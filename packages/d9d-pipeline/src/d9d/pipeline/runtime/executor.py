@@ -190,6 +190,22 @@ class PipelineExecutor:
         self._plans[id(program)] = (program, plan)
         return plan
 
+    def forget(self, program: Program) -> None:
+        """Drop what this executor keeps for `program` (its rank plan, its CUDA graphs and their memory pool), for a
+        program that will not run again (`PipelineSchedule.replan`)."""
+        cached = self._plans.get(id(program))
+        if cached is not None and cached[0] is program:
+            del self._plans[id(program)]
+        if self.graphs is not None:
+            self.graphs.forget(program)
+
+    def programs_held(self) -> tuple[Program, ...]:
+        """The programs this executor keeps state for (rank plans, CUDA graphs)."""
+        held = [program for program, _ in self._plans.values()]
+        if self.graphs is not None:
+            held += [program for program in self.graphs.programs() if all(program is not p for p in held)]
+        return tuple(held)
+
     def run(
         self, program: Program, task: PipelineTask[Any], batches: Sequence[Any], *, loss_scale: float
     ) -> StepOutcome:
