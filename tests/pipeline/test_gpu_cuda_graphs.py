@@ -46,11 +46,16 @@ def _errors(graphs: RunRecord, eager: RunRecord) -> tuple[float, float, float]:
     )
 
 
-def _compare(pp: int, schedules: list[str], families: tuple[str, ...]) -> list[tuple[str, ...]]:
+def _cuda_context(pp: int) -> DistributedContext:
+    """pp ranks over NCCL with TF32 off (the tolerances assume float32 matmuls)."""
     os.environ["D9D_DEVICE"] = "cuda"
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    ctx = DistributedContext.build(MeshDegrees(pp=pp), device="cuda")
+    return DistributedContext.build(MeshDegrees(pp=pp), device="cuda")
+
+
+def _compare(pp: int, schedules: list[str], families: tuple[str, ...]) -> list[tuple[str, ...]]:
+    ctx = _cuda_context(pp)
     results = []
     for family in families:
         for kernels, decoder in KERNELS.items():
@@ -114,10 +119,7 @@ def test_cuda_graphs_match_eager_pp1_v_schedules():
 
 
 def _measured_runs() -> tuple[tuple[float, float, float], int, bool]:
-    os.environ["D9D_DEVICE"] = "cuda"
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    ctx = DistributedContext.build(MeshDegrees(pp=2), device="cuda")
+    ctx = _cuda_context(2)
     runs = {
         graphs: pipelined_run(
             ctx,
