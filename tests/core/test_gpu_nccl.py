@@ -11,17 +11,13 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from d9d.core.determinism import init_parameter_, seed_everything
 from d9d.core.dist import DistributedContext, MeshDegrees
 from d9d.core.ops import all_gather_object, all_gather_variable_shape
-from d9d.core.testing import run_on_ranks
+from d9d.core.testing import gpu_world_size, run_on_ranks
 
 pytestmark = pytest.mark.gpu
 
 
-def _gpu_world() -> int:
-    return min(torch.cuda.device_count(), 4) if torch.cuda.is_available() else 1
-
-
 def test_nccl_context_collectives_and_variable_shape_gather():
-    world = _gpu_world()
+    world = gpu_world_size()
 
     def body():
         os.environ["D9D_DEVICE"] = "cuda"
@@ -40,7 +36,7 @@ def test_nccl_context_collectives_and_variable_shape_gather():
 
 
 def test_cuda_sharded_init_equals_single_device_init():
-    world = _gpu_world()
+    world = gpu_world_size()
 
     def body():
         os.environ["D9D_DEVICE"] = "cuda"
@@ -65,7 +61,7 @@ def test_preemption_agreement_never_synchronises_the_gpu():
 
     from d9d.core.loop.preemption import PreemptionFlag
 
-    world = _gpu_world()
+    world = gpu_world_size()
 
     def body():
         os.environ["D9D_DEVICE"] = "cuda"
@@ -94,7 +90,7 @@ def test_token_count_sum_over_nccl_ranks_never_synchronises_the_gpu():
     from d9d.core.dist import moves_cpu_tensors
     from d9d.core.loop.reduce import sum_over, token_group
 
-    world = _gpu_world()
+    world = gpu_world_size()
     if world < 2:
         pytest.skip("needs 2 GPUs: one process has no token group")
 

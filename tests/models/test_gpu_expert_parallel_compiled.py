@@ -23,9 +23,8 @@ import importlib.util
 import os
 
 import pytest
-import torch
 
-from d9d.core.testing import run_on_ranks
+from d9d.core.testing import gpu_world_size, run_on_ranks
 
 pytestmark = [
     pytest.mark.gpu,
@@ -41,7 +40,7 @@ TOLERANCES = {  # loss rtol, grad-norm rtol, parameter atol (None: not compared;
 
 
 def _world() -> int:
-    world = min(torch.cuda.device_count(), 4) if torch.cuda.is_available() else 1
+    world = gpu_world_size()
     if world < 2:
         pytest.skip(f"needs 2 GPUs; {world} visible")
     return world

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from tiny import EAGER, d9d_from_hf, hf_dense, hf_moe
 
 from d9d.core.dist import DistributedContext, MeshDegrees
-from d9d.core.testing import run_on_ranks
+from d9d.core.testing import gpu_world_size, run_on_ranks
 from d9d.models import materialize_
 from d9d.models.generation import GenerationConfig, SamplingConfig, generate
 from d9d.models.qwen3 import (
@@ -43,7 +43,7 @@ NEW = 12
 
 
 def _world() -> int:
-    world = min(torch.cuda.device_count(), 4) if torch.cuda.is_available() else 1
+    world = gpu_world_size()
     if world < 2:
         pytest.skip(f"needs 2 GPUs; {world} visible")
     return world

@@ -10,14 +10,10 @@ import pytest
 import torch
 from test_context_attention import BATCH, DIM, HEADS, KV_HEADS, _documents, reference_attention
 
-from d9d.core.testing import run_on_ranks
+from d9d.core.testing import gpu_world_size, run_on_ranks
 
 pytestmark = pytest.mark.gpu
 TOLERANCES = {"float32": 2e-5, "bfloat16": 3e-2}
-
-
-def _gpu_world() -> int:
-    return min(torch.cuda.device_count(), 4) if torch.cuda.is_available() else 1
 
 
 def _body(variant: str, packed: bool, dtype_name: str, seq: int) -> float:
@@ -27,7 +23,7 @@ def _body(variant: str, packed: bool, dtype_name: str, seq: int) -> float:
     from d9d.core.dist.domains import MeshDomain
     from d9d.parallel.context import all_gather_attention, ring_attention, shard_sequence
 
-    ctx = DistributedContext.build(MeshDegrees(cp=_gpu_world()))
+    ctx = DistributedContext.build(MeshDegrees(cp=gpu_world_size()))
     group = ctx.mesh_for(MeshDomain.BATCH)["cp"].get_group()
     rank, cp, device = group.rank(), group.size(), ctx.device
     dtype = getattr(torch, dtype_name)
@@ -59,7 +55,7 @@ def _body(variant: str, packed: bool, dtype_name: str, seq: int) -> float:
 @pytest.mark.parametrize("packed", [False, True], ids=["causal", "documents"])
 @pytest.mark.parametrize("variant", ["ring", "all_gather"])
 def test_nccl_context_attention_equals_full_attention(variant, packed, dtype_name):
-    world = _gpu_world()
+    world = gpu_world_size()
     if world < 2:
         pytest.skip(f"context parallelism on GPUs needs 2 of them; {world} visible")
     worst = run_on_ranks(world, lambda: _body(variant, packed, dtype_name, 256), init_process_group=False)

@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 import torch
 
-from d9d.core.testing import run_on_ranks
+from d9d.core.testing import gpu_world_size, run_on_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:FSDP2-wrapped module.*:UserWarning")]
 
@@ -161,7 +161,7 @@ def test_trainer_with_offload_matches_and_resumes_on_gpu(tmp_path):
         pytest.skip("needs a GPU")
     from offload_workload import assert_same_training
 
-    world = min(torch.cuda.device_count(), 2)  # two GPUs where there are: CPU partial norms reduced over gloo
+    world = gpu_world_size(limit=2)  # two GPUs where there are: CPU partial norms reduced over gloo
     runs = run_on_ranks(world, lambda: _trainer_runs(tmp_path), init_process_group=False, timeout_seconds=600)[0]
     plain = runs["plain"]
     for name in ("offloaded", "on-resume", "off-resume"):

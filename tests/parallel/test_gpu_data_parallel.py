@@ -10,20 +10,16 @@ import pytest
 import torch
 from dp_workloads import TOLERANCES, train_data_parallel
 
-from d9d.core.testing import run_on_ranks
+from d9d.core.testing import gpu_world_size, run_on_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:FSDP2-wrapped module.*:UserWarning")]
-
-
-def _gpu_world() -> int:
-    return min(torch.cuda.device_count(), 4) if torch.cuda.is_available() else 1
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("strategy", ["replicate", "fsdp", "hsdp"])
 @pytest.mark.parametrize("kind", ["mlp", "block"])
 def test_nccl_training_matches_single_gpu_step_by_step(kind, strategy, bf16):
-    world = _gpu_world()
+    world = gpu_world_size()
     if world < 2 or (strategy == "hsdp" and world < 4):
         pytest.skip(f"{strategy} on GPUs needs {4 if strategy == 'hsdp' else 2} of them; {world} visible")
 

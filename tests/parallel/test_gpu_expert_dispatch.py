@@ -13,20 +13,16 @@ import os
 import pytest
 import torch
 
-from d9d.core.testing import run_on_ranks
+from d9d.core.testing import gpu_world_size, run_on_ranks
 
 pytestmark = pytest.mark.gpu
 
 NUM_EXPERTS, TOP_K, HIDDEN, TOKENS = 16, 4, 256, 96
 
 
-def _gpu_world() -> int:
-    return min(torch.cuda.device_count(), 4) if torch.cuda.is_available() else 1
-
-
 @pytest.mark.parametrize("backend", ["all_to_all", "deep_ep"])
 def test_dispatch_then_combine_on_gpus_matches_the_local_computation(backend):
-    world = _gpu_world()
+    world = gpu_world_size()
     if world < 2:
         pytest.skip(f"expert dispatch on GPUs needs 2 of them; {world} visible")
     if backend == "deep_ep" and importlib.util.find_spec("deep_ep") is None:

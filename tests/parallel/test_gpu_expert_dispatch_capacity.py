@@ -18,20 +18,16 @@ import os
 import pytest
 import torch
 
-from d9d.core.testing import run_on_ranks
+from d9d.core.testing import gpu_world_size, run_on_ranks
 
 pytestmark = pytest.mark.gpu
 
 NUM_EXPERTS, TOP_K, HIDDEN, OUT, TOKENS = 16, 4, 256, 128, 512
 
 
-def _gpu_world() -> int:
-    return min(torch.cuda.device_count(), 4) if torch.cuda.is_available() else 1
-
-
 @pytest.mark.parametrize("experts", ["scale", "torch_grouped_mm"])
 def test_capacity_dispatch_never_synchronises_and_matches_the_all_to_all_dispatcher(experts):
-    world = _gpu_world()
+    world = gpu_world_size()
     if world < 2:
         pytest.skip(f"expert dispatch on GPUs needs 2 of them; {world} visible")
 

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "core" / "loop"))  # the Trai
 from loop_workload import SEQ, VOCAB, build_tiny, build_tiny_trainer, reference_losses
 
 from d9d.core.dist import DistributedContext, MeshDegrees
-from d9d.core.testing import run_on_ranks
+from d9d.core.testing import gpu_world_size, run_on_ranks
 from d9d.models import materialize_
 from d9d.models.qwen3 import parallelize_qwen3_dense
 from d9d.models.roles import Role
@@ -32,7 +32,7 @@ pytestmark = [
 
 
 def _world() -> int:
-    world = min(torch.cuda.device_count(), 4) if torch.cuda.is_available() else 1
+    world = gpu_world_size()
     if world < 2:
         pytest.skip(f"needs 2 GPUs; {world} visible")
     return world

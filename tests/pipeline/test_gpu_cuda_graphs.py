@@ -21,7 +21,7 @@ from pipeline_workload import EAGER, RunRecord, all_ranks_max, max_param_error, 
 from test_pipeline_parity import SCHEDULES
 
 from d9d.core.dist import DistributedContext, MeshDegrees
-from d9d.core.testing import run_on_ranks
+from d9d.core.testing import gpu_world_size, run_on_ranks
 from d9d.models import DecoderConfig
 from d9d.pipeline import PipelineConfig
 
@@ -31,10 +31,6 @@ STEPS, ROWS = 6, 8
 TOLERANCES = (1e-5, 1e-4, 1e-4)
 KERNELS = {"eager": EAGER, "default": DecoderConfig(loss_chunk_size=5)}  # default: Triton kernels on a GPU
 TIMEOUT = float(os.environ.get("D9D_GPU_TEST_TIMEOUT", "600"))
-
-
-def _visible_gpus() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _errors(graphs: RunRecord, eager: RunRecord) -> tuple[float, float, float]:
@@ -99,8 +95,8 @@ def _check(results: list[tuple[str, ...]], pp: int) -> None:
 
 
 def test_cuda_graphs_match_eager_pp2_every_schedule():
-    if _visible_gpus() < 2:
-        pytest.skip(f"pp=2 needs 2 GPUs; {_visible_gpus()} visible")
+    if gpu_world_size() < 2:
+        pytest.skip(f"pp=2 needs 2 GPUs; {gpu_world_size()} visible")
     results = run_on_ranks(
         2, lambda: _compare(2, sorted(SCHEDULES), ("dense",)), init_process_group=False, timeout_seconds=TIMEOUT
     )[0]
@@ -109,7 +105,7 @@ def test_cuda_graphs_match_eager_pp2_every_schedule():
 
 def test_cuda_graphs_match_eager_pp1_v_schedules():
     """Both stages of the V on one rank: same-rank hand-over and split backward, no communication."""
-    if _visible_gpus() < 1:
+    if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     schedules = ["1f1b", "zbv", "dualpipe_v"]
     results = run_on_ranks(
@@ -139,8 +135,8 @@ def test_costs_measured_at_step_two_then_replanned_under_cuda_graphs():
     # Step 1 warms the first program up, step 2 is timed (the interpreter, CUDA events), steps 3-6 run the replanned
     # program: warm-up, capture, then 2 replays. Both runs measure their own costs, so their programs may differ in
     # order (the GPU timings are not bitwise reproducible): the default-kernel tolerances, not bitwise equality.
-    if _visible_gpus() < 2:
-        pytest.skip(f"pp=2 needs 2 GPUs; {_visible_gpus()} visible")
+    if gpu_world_size() < 2:
+        pytest.skip(f"pp=2 needs 2 GPUs; {gpu_world_size()} visible")
     (loss, norm, params), replays, measured = run_on_ranks(
         2, _measured_runs, init_process_group=False, timeout_seconds=TIMEOUT
     )[0]

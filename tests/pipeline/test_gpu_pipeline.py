@@ -13,7 +13,7 @@ import torch
 from pipeline_workload import context, errors_against, pipelined_run, shared_reference
 from test_pipeline_parity import SCHEDULES
 
-from d9d.core.testing import run_on_ranks
+from d9d.core.testing import gpu_world_size, run_on_ranks
 from d9d.pipeline import PipelineConfig
 
 pytestmark = pytest.mark.gpu
@@ -23,13 +23,9 @@ STEPS, ROWS = 10, 8
 TIMEOUT = float(os.environ.get("D9D_GPU_TEST_TIMEOUT", "600"))
 
 
-def _gpu_world() -> int:
-    return min(torch.cuda.device_count(), 4) if torch.cuda.is_available() else 1
-
-
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 def test_nccl_pipeline_matches_single_process(schedule):
-    world = _gpu_world()
+    world = gpu_world_size()
     if world < 2:
         pytest.skip(f"pipeline parallelism on GPUs needs 2 of them; {world} visible")
 
@@ -58,8 +54,8 @@ def test_nccl_pipeline_with_tensor_parallelism_matches_single_process(schedule):
     """pp=2 x tp=2 on 4 GPUs: the stages hand over their sequence shards over NCCL (docs/design/0016), the
     split-backward schedules with the tp collectives in the input pass (amendment 4); MoE with the z-loss only (a tp
     rank's load-balancing loss is its shard's). Same tolerances as above."""
-    if _gpu_world() < 4:
-        pytest.skip(f"pp=2 x tp=2 needs 4 GPUs; {_gpu_world()} visible")
+    if gpu_world_size() < 4:
+        pytest.skip(f"pp=2 x tp=2 needs 4 GPUs; {gpu_world_size()} visible")
 
     def body() -> list[tuple[str, float, float, float]]:
         os.environ["D9D_DEVICE"] = "cuda"
@@ -84,8 +80,8 @@ def test_nccl_pipeline_with_tensor_parallelism_matches_single_process(schedule):
 def test_nccl_pipeline_with_context_parallelism_matches_single_process(schedule, attention):
     """pp=2 x cp=2 on 4 GPUs: each stage's attention over its cp group and the stages' cp shards over NCCL (design
     0016, amendment 4), the workload of test_pipeline_context_parallel.py. Same tolerances as above."""
-    if _gpu_world() < 4:
-        pytest.skip(f"pp=2 x cp=2 needs 4 GPUs; {_gpu_world()} visible")
+    if gpu_world_size() < 4:
+        pytest.skip(f"pp=2 x cp=2 needs 4 GPUs; {gpu_world_size()} visible")
     from test_pipeline_context_parallel import pipelined_cp_run
     from test_pipeline_context_parallel import shared_reference as cp_reference
 

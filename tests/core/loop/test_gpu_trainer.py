@@ -12,14 +12,14 @@ import torch
 from loop_workload import build_tiny_trainer, reference_losses
 
 from d9d.core.dist import DistributedContext, MeshDegrees
-from d9d.core.testing import run_on_ranks
+from d9d.core.testing import gpu_world_size, run_on_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:FSDP2-wrapped module.*:UserWarning")]
 
 
 @pytest.mark.parametrize("family", ["dense", "moe"])
 def test_nccl_trainer_matches_single_process_whole_batch(family):
-    world = min(torch.cuda.device_count(), 4) if torch.cuda.is_available() else 1
+    world = gpu_world_size()
     if world < 2:
         pytest.skip(f"needs 2 GPUs; {world} visible")
 
