@@ -26,11 +26,6 @@ def measure_stage_costs(
     `runtime/action_timing.py`). Call it on every rank of the job together, after a warm-up step: a first step also
     times allocator growth, compilation and communicator set-up.
     """
-    executor = schedule.executor
     timer = ActionTimer(schedule.device)
-    executor.action_timer = timer
-    try:
-        result = schedule.run(schedule.model, task, batches, loss_scale=loss_scale, backward=True)
-    finally:
-        executor.action_timer = None
+    result = schedule.run(schedule.model, task, batches, loss_scale=loss_scale, backward=True, timer=timer)
     return gather_stage_costs(timer, schedule.layout.num_stages), result

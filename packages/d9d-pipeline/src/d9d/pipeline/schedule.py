@@ -123,7 +123,10 @@ class PipelineSchedule:
         *,
         loss_scale: float,
         backward: bool,
+        timer: ActionTimer | None = None,
     ) -> ScheduleResult:
+        """One step (the `StepSchedule` protocol). `timer`: time every compute action into it
+        (`measure_stage_costs`); the step at `measure_costs_at_step` makes its own and replans from it."""
         if model is not self.model:
             raise ValueError(
                 "the model given to the pipeline schedule is not its stage view; pass `schedule.model` to the Trainer"
@@ -131,18 +134,15 @@ class PipelineSchedule:
         if not isinstance(task, PipelineTask):
             raise TypeError(f"{type(task).__name__} cannot run pipelined: it lacks forward_stage/activation_spec")
         program = self.program(len(microbatches), training=backward)
-        timer = None
         if backward:
             self.training_steps += 1
-            if self.training_steps == self.measure_costs_at_step and self.executor.action_timer is None:
-                timer = self.executor.action_timer = ActionTimer(self.device)
-        try:
-            outcome = self.executor.run(program, task, microbatches, loss_scale=loss_scale)
-        finally:
-            if timer is not None:
-                self.executor.action_timer = None
+        measuring = backward and self.training_steps == self.measure_costs_at_step
+        if measuring and timer is None:
+            timer = ActionTimer(self.device)
+        outcome = self.executor.run(program, task, microbatches, loss_scale=loss_scale, timer=timer)
         outcome = self._share_last_stage(outcome)
-        if timer is not None:
+        if measuring:
+            assert timer is not None
             self._replan_from(timer)
         return ScheduleResult(
             loss_sum=torch.tensor(outcome.loss_sum, dtype=torch.float64, device=self.device),

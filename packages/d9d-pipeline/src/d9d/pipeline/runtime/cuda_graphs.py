@@ -304,9 +304,7 @@ class ActionGraphs:
                 else:
                     entry.sent = message
                 continue
-            needed = executor.receives_of(action)
-            for key in needed:  # waited on the main stream before the capture, which cannot wait on NCCL's events
-                step.received[key][1].wait()
+            needed = executor.wait_received(action, step)  # before the capture, which cannot wait on NCCL's events
             entry.waits = tuple(receive_at[key] for key in needed)
             before = executor.deferred_weight_gradients
             if failed is not None or _launches_nothing(action):

@@ -164,8 +164,6 @@ class PipelineExecutor:
         self._plans: dict[int, tuple[Program, _RankPlan]] = {}  # id(program) -> (program, plan); holds the program
         # Training steps replayed as CUDA graphs (runtime/cuda_graphs.py); None: every step runs the interpreter.
         self.graphs = ActionGraphs(self) if cuda_graphs else None
-        # Set (e.g. by `measure_stage_costs`): every compute action is timed, and steps run the interpreter.
-        self.action_timer: ActionTimer | None = None
 
     @property
     def fsdp_stages(self) -> tuple[int, ...]:
@@ -207,21 +205,36 @@ class PipelineExecutor:
         return tuple(held)
 
     def run(
-        self, program: Program, task: PipelineTask[Any], batches: Sequence[Any], *, loss_scale: float
+        self,
+        program: Program,
+        task: PipelineTask[Any],
+        batches: Sequence[Any],
+        *,
+        loss_scale: float,
+        timer: ActionTimer | None = None,
     ) -> StepOutcome:
+        """Run `program`'s actions for this rank. With `timer`, every compute action is timed (`measure_stage_costs`)
+        and the step runs the interpreter even where CUDA graphs are on."""
         if len(batches) != program.num_microbatches:
             raise ValueError(
                 f"program {program.name!r} is for {program.num_microbatches} micro-batches, got {len(batches)}"
             )
         plan = self._plan(program)
-        if self.graphs is not None and program.training and self.action_timer is None:
+        if self.graphs is not None and program.training and timer is None:
             outcome = self.graphs.run(program, plan, task, batches, loss_scale)
             if outcome is not None:
                 return outcome
-        return self.run_eager(plan, task, batches, loss_scale=loss_scale, training=program.training)
+        return self.run_eager(plan, task, batches, loss_scale=loss_scale, training=program.training, timer=timer)
 
     def run_eager(
-        self, plan: _RankPlan, task: PipelineTask[Any], batches: Sequence[Any], *, loss_scale: float, training: bool
+        self,
+        plan: _RankPlan,
+        task: PipelineTask[Any],
+        batches: Sequence[Any],
+        *,
+        loss_scale: float,
+        training: bool,
+        timer: ActionTimer | None = None,
     ) -> StepOutcome:
         """The interpreter: every action of `plan` in order."""
         step = _Step(batches=batches, loss_scale=loss_scale, training=training, split=plan.split)
@@ -231,8 +244,8 @@ class PipelineExecutor:
             for reduction in deferred.values():
                 reduction.begin()
             for index, action in enumerate(plan.actions):
-                if action.kind.is_compute and self.action_timer is not None:
-                    self._timed_compute(action, task, step, self.action_timer)
+                if action.kind.is_compute and timer is not None:
+                    self._timed_compute(action, task, step, timer)
                 elif action.kind.is_compute:
                     self._compute(action, task, step)
                 else:
@@ -318,12 +331,17 @@ class PipelineExecutor:
 
     # Compute -------------------------------------------------------------------------------------------------------
 
+    def wait_received(self, action: Action, step: _Step) -> tuple[tuple[str, int, int], ...]:
+        """Wait (on the device stream) for the messages compute `action` reads, ahead of the action itself; returns
+        their keys. A timed action's time is then its own, and a capture never waits on NCCL's events."""
+        needed = self.receives_of(action)
+        for key in needed:
+            step.received[key][1].wait()
+        return needed
+
     def _timed_compute(self, action: Action, task: PipelineTask[Any], step: _Step, timer: ActionTimer) -> None:
         """`_compute` bracketed by `timer`, its received inputs waited for first so the time is the action's own."""
-        for key in self.receives_of(action):
-            entry = step.received.get(key)
-            if entry is not None:
-                entry[1].wait()
+        self.wait_received(action, step)
         timer.start(action)
         self._compute(action, task, step)
         timer.stop(action)
