@@ -124,10 +124,11 @@ def test_finetune_with_tensor_parallelism_matches_data_parallel_only(workdir, fi
 
 
 def test_pipelined_finetune_matches_data_parallel_only(workdir, finetune_baseline, capsys):
-    """pp=2 x dp_shard=2, ZB-H1 with 1.5x 1F1B's activation memory (design note 0030; from the command line only:
-    with 2 micro-batches per step the larger bound leaves the program as it is, the gloo parity tests cover a
-    program it changes): LoRA per stage, its exports gathered from both stages into the committed output. Measuring costs in the job needs a stage with layers and
-    neither end of the model, which the micro preset's 2 layers cannot give: refused before any rank starts."""
+    """pp=2 x dp_shard=2, ZB-H1 with 1.5x 1F1B's activation memory (design note 0030), set from the command line:
+    LoRA per stage, its exports gathered from both stages into the committed output. With 2 micro-batches per step
+    the larger bound leaves the program as it is; the gloo parity tests cover a program it changes. Measuring costs
+    in the job needs a stage with layers and neither end of the model, which the micro preset's 2 layers cannot
+    give: refused before any rank starts."""
     pipeline = ["finetune.degrees.pp=2", "finetune.pipeline.schedule.kind=zb_h1"]
     with pytest.raises(AssertionError):
         _run(
