@@ -38,6 +38,8 @@
 #   pipeschedules: 1F1B, interleaved 1F1B, ZBV and DualPipeV at pp=4 with CUDA graphs, planned and split under the
 #              measured cost model (pipemeasured's)
 #   pipememory: design note 0030: 1F1B, then ZBV with 1.0, 1.5, 2.0 x 1F1B's activation memory (measured costs, graphs)
+#   pipedelays: 1F1B and ZBV 1.5x (graphs, measured costs) traced; each rank's lateness after its own previous action,
+#              after a peer's input, outside the actions (bench/pipeline_trace.py --delays)
 #   pipegraphs2: the same on 2 GPUs: ZBV and 1F1B at pp=2 with PIPE_LAYERS (default 16) layers, each split chosen by
 #              simulation under the cost model (--suggest-split), eager then graphs
 #   pipegraphstests: the GPU parity tests of the CUDA-graph executor against eager (tests/pipeline/test_gpu_cuda_graphs.py)
@@ -310,6 +312,17 @@ for part in "$@"; do case $part in
       run 0,1,2,3 ${PIPE_SECONDS:-120} ppmemory.log bench/pipeline_schedules.py --schedules $1 --activation-memory $2 \
         --suggest-split --microbatch-rows ${PIPE_ROWS:-4} --warmup 2 --steps 5 --profile-steps 1 --cuda-graphs $costs
     done ;;
+  pipedelays)  # issue 16: where the runtime's share of the bubble goes: 1F1B and ZBV (PIPE_MEMORY, default 1.5x
+    # activation memory) planned under the measured cost model with CUDA graphs, one traced step per rank; rank 0
+    # prints each rank's lateness after its own previous action, after a peer's input, and outside the actions
+    costs=${PIPE_COSTS:---layer-costs 1.00 2.01 0.43 --head-costs 5.28 14.49 0.01 --embedding-costs 0.07 0.00 2.47}
+    for item in "1f1b 1" "zbv ${PIPE_MEMORY:-1.5}"; do
+      set -- $item
+      run 0,1,2,3 ${PIPE_SECONDS:-120} ppdelays.log bench/pipeline_schedules.py --schedules $1 --activation-memory $2 \
+        --suggest-split --microbatch-rows ${PIPE_ROWS:-4} --warmup 2 --steps 5 --profile-steps 1 --cuda-graphs $costs \
+        --trace-dir "$out/pptraces" ${PIPE_EXTRA:-}
+    done
+    (cd "$out" && tar czf pptraces.tgz pptraces && rm -rf pptraces) ;;
   pipegraphs2)  # the same at pp=2 on 2 GPUs (PIPE_LAYERS layers; the anchor's head at 16 layers is about a third)
     # (the split per schedule by simulation under the cost model: --suggest-split)
     for schedule in zbv 1f1b; do

@@ -1,6 +1,7 @@
 """Where a pipelined step's time goes on each rank, from the Chrome traces of `pipeline_schedules.py --trace-dir`.
 
     python bench/pipeline_trace.py TRACE_DIR            # every pipeline-*-rank*.json there
+    python bench/pipeline_trace.py TRACE_DIR --delays   # + how late each rank's GPU started its actions, after what
 
 Per rank: the step's wall time; the GPU's compute time (non-NCCL kernels, merged); its idle time split into time
 inside an NCCL kernel only (waiting for a peer: the pipeline's bubble proper) and time with no kernel at all (the
@@ -12,6 +13,12 @@ through the profiler's correlation ids from the launch call inside the action's 
 excluded), summed, median over micro-batches. Unlike the step's wall time these exclude every wait for a peer, so
 replaying the program with them (`pipeline_schedules.py` does, column `simulated, measured costs`) separates what the
 schedule and the split cost from what the runtime adds.
+
+`--delays` says where that runtime share goes: every rank's traces of one step share the host's clock, so each
+action's first kernel can be compared with the moment it could have started (the later of the rank's previous
+action's last kernel and the last kernel of every action whose output it consumes, on whichever rank). Lateness
+after a peer's input is the message's latency and its receive; after the rank's own previous action it is the host
+or the stream; before the first action and after the last one it is the step's work outside the program.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import json
 import re
 import statistics
 from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +51,21 @@ def subtract(length_of: list[tuple[float, float]], minus: list[tuple[float, floa
 LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")  # Triton launches through the driver API
 
 
-def action_gpu_ms(events: list[dict[str, Any]]) -> dict[tuple[str, int], list[float]]:
-    """GPU ms of every compute action in one rank's trace, keyed by (action kind, stage), one entry per micro-batch:
-    the summed durations of the non-NCCL kernels launched inside the action's host range."""
+Action = tuple[str, int, int]  # (kind, stage, micro-batch)
+
+
+@dataclass
+class ActionKernels:
+    """The non-NCCL kernels one action launched: their summed duration and the span from the first one's start to the
+    last one's end (microseconds, the trace's clock)."""
+
+    busy: float = 0.0
+    start: float = float("inf")
+    end: float = float("-inf")
+
+
+def action_kernels(events: list[dict[str, Any]]) -> dict[Action, ActionKernels]:
+    """Every compute action of one rank's trace with the non-NCCL kernels launched inside its host range."""
     complete = [e for e in events if e.get("ph") == "X"]
     # Matched by time, not by thread: a backward's kernels are launched from autograd's device thread while the
     # executor's thread waits inside the action's range (the actions of one rank never overlap in time).
@@ -65,17 +85,87 @@ def action_gpu_ms(events: list[dict[str, Any]]) -> dict[tuple[str, int], list[fl
             _, end, kind, stage, microbatch = ranges[index]
             if event["ts"] <= end:
                 action_of[correlation] = (kind, stage, microbatch)
-    per_action: dict[tuple[str, int, int], float] = defaultdict(float)
+    per_action: dict[Action, ActionKernels] = defaultdict(ActionKernels)
     for event in complete:
         if event.get("cat") != "kernel" or "nccl" in event.get("name", "").lower():
             continue
         action = action_of.get(event.get("args", {}).get("correlation"))
         if action is not None:
-            per_action[action] += event["dur"] / 1e3
+            kernels = per_action[action]
+            kernels.busy += event["dur"]
+            kernels.start = min(kernels.start, event["ts"])
+            kernels.end = max(kernels.end, event["ts"] + event["dur"])
+    return dict(per_action)
+
+
+def action_gpu_ms(events: list[dict[str, Any]]) -> dict[tuple[str, int], list[float]]:
+    """GPU ms of every compute action in one rank's trace, keyed by (action kind, stage), one entry per micro-batch:
+    the summed durations of the non-NCCL kernels launched inside the action's host range."""
     by_kind: dict[tuple[str, int], list[float]] = defaultdict(list)
-    for (kind, stage, _), ms in sorted(per_action.items()):
-        by_kind[(kind, stage)].append(ms)
+    for (kind, stage, _), kernels in sorted(action_kernels(events).items()):
+        by_kind[(kind, stage)].append(kernels.busy / 1e3)
     return dict(by_kind)
+
+
+def _inputs(action: Action, last_stage: int) -> list[Action]:
+    """The actions whose results `action` consumes (a backward also its own forward's activations)."""
+    kind, stage, microbatch = action
+    if kind == "FORWARD":
+        return [("FORWARD", stage - 1, microbatch)] if stage > 0 else []
+    if kind == "BACKWARD_WEIGHT":
+        return [("BACKWARD_INPUT", stage, microbatch)]
+    upstream = [("BACKWARD_INPUT", stage + 1, microbatch), ("BACKWARD", stage + 1, microbatch)]
+    return [("FORWARD", stage, microbatch)] + (upstream if stage < last_stage else [])
+
+
+@dataclass
+class RankDelays:
+    """Where one rank's GPU started an action later than it could have (ms): after the rank's previous action
+    (`local`: its host or stream was late), after an input produced on another rank (`transfer`: the message's
+    latency and its receive), and the step's time before the first action and after the last one of any rank
+    (`edges`: its work outside the program, such as the optimizer and clipping)."""
+
+    local: float = 0.0
+    transfer: float = 0.0
+    edges: float = 0.0
+    worst: list[tuple[float, str]] = field(default_factory=list)  # (ms, description), largest first
+
+
+def runtime_delays(paths: list[Path]) -> dict[str, RankDelays]:
+    """Per trace of one step (every rank of one run, one shared clock: one host), the delays no replay models: each
+    compute action's first kernel against the later of the rank's previous action's last kernel and its inputs' last
+    kernels (wherever they ran). What remains of the idle time is the program's own bubble."""
+    spans: dict[str, dict[Action, ActionKernels]] = {}
+    bounds: dict[str, tuple[float, float]] = {}
+    for path in paths:
+        events = json.loads(path.read_text())["traceEvents"]
+        spans[path.name] = action_kernels(events)
+        step = next(e for e in events if e.get("ph") == "X" and e.get("name") == "pp:step")
+        bounds[path.name] = (step["ts"], step["ts"] + step["dur"])
+    everywhere = {action: kernels for per_rank in spans.values() for action, kernels in per_rank.items()}
+    last_stage = max((stage for _, stage, _ in everywhere), default=0)
+    first = min((kernels.start for kernels in everywhere.values()), default=0.0)
+    last = max((kernels.end for kernels in everywhere.values()), default=0.0)
+    result: dict[str, RankDelays] = {}
+    for name, actions in spans.items():
+        delays = RankDelays(edges=(first - bounds[name][0] + bounds[name][1] - last) / 1e3 if actions else 0.0)
+        previous_end = float("-inf")  # the rank's first action can only be late for its inputs
+        for action, kernels in sorted(actions.items(), key=lambda item: item[1].start):
+            inputs = [(everywhere[i].end, i) for i in _inputs(action, last_stage) if i in everywhere]
+            input_end, source = max(inputs, default=(float("-inf"), None))
+            ready = max(previous_end, input_end)
+            late = max(0.0, kernels.start - ready) / 1e3 if ready > float("-inf") else 0.0
+            remote = source is not None and source not in actions and input_end >= previous_end
+            if remote:
+                delays.transfer += late
+            else:
+                delays.local += late
+            label = f"{action[0]} s{action[1]} m{action[2]}" + (f" after {source[0]} s{source[1]}" if remote else "")
+            delays.worst.append((late, label))
+            previous_end = max(previous_end, kernels.end)
+        delays.worst = sorted(delays.worst, reverse=True)[:3]
+        result[name] = delays
+    return result
 
 
 def measured_costs(paths: list[Path]) -> dict[int, dict[str, float]]:
@@ -126,6 +216,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("trace_dir", type=Path)
     parser.add_argument("--costs", action="store_true", help="also each stage's GPU ms per compute action")
+    parser.add_argument(
+        "--delays", action="store_true", help="also how late each rank's GPU started its actions, and after what"
+    )
     args = parser.parse_args()
     print("| trace | wall ms | GPU compute | waiting on a peer | starved (no kernel) | host in actions (count, ms) |")
     print("|---|---|---|---|---|---|")
@@ -138,10 +231,18 @@ def main() -> None:
         )
         if row["host_blocking_ms"]:
             print(f"#   {row['trace']} host blocked in: {row['host_blocking_ms']}")
+    groups: dict[str, list[Path]] = defaultdict(list)
+    for path in sorted(args.trace_dir.glob("pipeline-*-rank*.json")):
+        groups[path.name.rsplit("-rank", 1)[0]].append(path)
+    if args.delays:
+        print("\n| trace | late after own previous action | late after a peer's input | outside the actions |")
+        print("|---|---|---|---|")
+        for paths in groups.values():
+            for name, delays in runtime_delays(paths).items():
+                worst = "; ".join(f"{ms:.2f} ms {label}" for ms, label in delays.worst)
+                print(f"| {name} | {delays.local:.1f} | {delays.transfer:.1f} | {delays.edges:.1f} |")
+                print(f"#   {name} largest: {worst}")
     if args.costs:
-        groups: dict[str, list[Path]] = defaultdict(list)
-        for path in sorted(args.trace_dir.glob("pipeline-*-rank*.json")):
-            groups[path.name.rsplit("-rank", 1)[0]].append(path)
         for name, paths in groups.items():
             print(f"\n{name}: GPU ms per action (median over micro-batches)\n")
             print("| stage | F | I | W | B |\n|---|---|---|---|---|")

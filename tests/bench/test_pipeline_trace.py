@@ -11,7 +11,7 @@ import pytest
 BENCH = str(Path(__file__).resolve().parents[2] / "bench")
 sys.path.insert(0, BENCH)  # the benchmark scripts import each other by module name
 try:
-    from pipeline_trace import action_gpu_ms, measured_costs, summarise
+    from pipeline_trace import action_gpu_ms, measured_costs, runtime_delays, summarise
 finally:
     sys.path.remove(BENCH)
 
@@ -113,3 +113,41 @@ def test_each_action_is_charged_the_kernels_it_launched_wherever_they_ran(tmp_pa
         0: {"BACKWARD_WEIGHT": pytest.approx(2.5)},
         1: {"FORWARD": pytest.approx(5.0), "BACKWARD_INPUT": pytest.approx(5.0)},  # medians over micro-batches
     }
+
+
+def _rank_trace(path: Path, step: tuple[float, float], actions: list[tuple[str, float, float]]) -> None:
+    """A rank's trace with the step range and, per action, one launch and one kernel at [start, end) (us)."""
+    events: list[dict[str, object]] = [_event("pp:step", "user_annotation", step[0], step[1] - step[0])]
+    for correlation, (name, start, end) in enumerate(actions, start=1):
+        host = start - 50  # the host runs ahead of its GPU
+        events += [
+            _event(f"pp:{name}", "user_annotation", host, 10),
+            _launch("cuda_runtime", host + 1, correlation, tid=0),
+            _kernel("gemm", start, end - start, correlation),
+        ]
+    path.write_text(json.dumps({"traceEvents": events}))
+
+
+def test_lateness_is_charged_to_the_peer_input_or_to_the_rank_itself(tmp_path):
+    # Stage 0 on rank 0, stage 1 on rank 1, one micro-batch each way; times in us (1000 = 1 ms).
+    _rank_trace(
+        tmp_path / "pipeline-1f1b-rows1-rank0.json",
+        (0, 40_000),
+        [("FORWARD:s0:m0", 1_000, 5_000), ("FORWARD:s0:m1", 5_500, 9_000), ("BACKWARD_INPUT:s0:m0", 20_000, 24_000)],
+    )
+    _rank_trace(
+        tmp_path / "pipeline-1f1b-rows1-rank1.json",
+        (0, 40_000),
+        [("FORWARD:s1:m0", 7_000, 10_000), ("BACKWARD_INPUT:s1:m0", 10_000, 17_000)],
+    )
+    delays = runtime_delays(sorted(tmp_path.glob("*.json")))
+    rank0, rank1 = delays["pipeline-1f1b-rows1-rank0.json"], delays["pipeline-1f1b-rows1-rank1.json"]
+    # Rank 0: F m1 0.5 ms after its own F m0; I m0 3 ms after rank 1's I m0 ended at 17 ms.
+    assert rank0.local == pytest.approx(0.5)
+    assert rank0.transfer == pytest.approx(3.0)
+    assert rank0.edges == pytest.approx(1.0 + 16.0)  # before any rank's first kernel, after any rank's last
+    assert rank0.worst[0] == (pytest.approx(3.0), "BACKWARD_INPUT s0 m0 after BACKWARD_INPUT s1")
+    # Rank 1: F m0 2 ms after rank 0's F m0 ended at 5 ms; its I m0 started as soon as its F did.
+    assert rank1.transfer == pytest.approx(2.0)
+    assert rank1.local == pytest.approx(0.0)
+    assert rank1.edges == pytest.approx(1.0 + 16.0)  # its own idle start is the pipeline's fill, not an edge
