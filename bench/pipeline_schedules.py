@@ -175,32 +175,35 @@ def cost_model(args: argparse.Namespace) -> PipelineCosts | None:
     return PipelineCosts(layer=work(args.layer_costs), head=work(args.head_costs), embedding=work(args.embedding_costs))
 
 
-def trace_step(step: Callable[[], float], kind: str, rank: int, args: argparse.Namespace, *, cuda: bool) -> None:
-    """One more step under the profiler with host activity and every executor action as a named range, exported as
-    a Chrome trace per rank (`bench/pipeline_trace.py` reads them: host-bound vs waiting on a peer)."""
+def trace_step(
+    step: Callable[[], float],
+    executor: executor_module.PipelineExecutor,
+    kind: str,
+    rank: int,
+    args: argparse.Namespace,
+    *,
+    cuda: bool,
+) -> None:
+    """One more step under the profiler with host activity and every executor action as a named range (compute
+    actions through `annotate_actions`, which also covers CUDA-graph replays), exported as a Chrome trace per rank
+    (`bench/pipeline_trace.py` reads them: host-bound vs waiting on a peer)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    executor = executor_module.PipelineExecutor
-    originals = {"_compute": executor._compute, "_communicate": executor._communicate}
+    communicate = executor_module.PipelineExecutor._communicate
 
-    def annotated(name: str) -> Callable[..., None]:
-        original = originals[name]
-
-        def run(self, action, task, step_state, *rest):  # noqa: ANN001, ANN002, ANN202
-            with record_function(f"pp:{action.kind.name}:s{action.stage}:m{action.microbatch}"):
-                original(self, action, task, step_state, *rest)
-
-        return run
+    def annotated(self, action, task, step_state, *rest):  # noqa: ANN001, ANN002, ANN202
+        with record_function(f"pp:{action.kind.name}:s{action.stage}:m{action.microbatch}"):
+            return communicate(self, action, task, step_state, *rest)
 
     try:
-        executor._compute = annotated("_compute")  # type: ignore[method-assign]
-        executor._communicate = annotated("_communicate")  # type: ignore[method-assign]
+        executor_module.PipelineExecutor._communicate = annotated  # type: ignore[method-assign]
+        executor.annotate_actions = True
         activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
         with profile(activities=activities) as prof, record_function("pp:step"):
             step()
     finally:
-        for name, original in originals.items():
-            setattr(executor, name, original)
+        executor_module.PipelineExecutor._communicate = communicate  # type: ignore[method-assign]
+        executor.annotate_actions = False
     args.trace_dir.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(args.trace_dir / f"pipeline-{kind}-rows{args.microbatch_rows}-rank{rank}.json"))
 
@@ -432,7 +435,7 @@ def measure(ctx: DistributedContext, kind: str, args: argparse.Namespace) -> Row
         modelled = replay(program, ActionCosts(stage_costs=per_stage)).bubble_fraction
     measured_replay = None
     if args.trace_dir is not None:
-        trace_step(step, kind, ctx.rank, args, cuda=cuda)
+        trace_step(step, schedule.executor, kind, ctx.rank, args, cuda=cuda)
         dist.barrier()
         if cuda and ctx.rank == 0:
             measured_replay = replay_measured(program, config, params.num_layers, kind, args)

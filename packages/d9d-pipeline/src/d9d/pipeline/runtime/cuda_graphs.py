@@ -409,7 +409,8 @@ class ActionGraphs:
                 for receive in entry.waits:
                     pending.pop(receive).wait()
                 if entry.graph is not None:
-                    entry.graph.replay()
+                    with executor.action_range(action):
+                        entry.graph.replay()
                 executor.deferred_weight_gradients += entry.deferred
                 continue
             assert comm is not None

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -164,6 +164,10 @@ class PipelineExecutor:
         self._plans: dict[int, tuple[Program, _RankPlan]] = {}  # id(program) -> (program, plan); holds the program
         # Training steps replayed as CUDA graphs (runtime/cuda_graphs.py); None: every step runs the interpreter.
         self.graphs = ActionGraphs(self) if cuda_graphs else None
+        # Each compute action inside a profiler range named `pp:KIND:sSTAGE:mMICROBATCH`, replayed or not, so a trace
+        # shows which action launched which kernels (bench/pipeline_trace.py). Off by default: a range per action
+        # costs host time even with no profiler running.
+        self.annotate_actions = False
 
     @property
     def fsdp_stages(self) -> tuple[int, ...]:
@@ -244,10 +248,12 @@ class PipelineExecutor:
             for reduction in deferred.values():
                 reduction.begin()
             for index, action in enumerate(plan.actions):
-                if action.kind.is_compute and timer is not None:
-                    self._timed_compute(action, task, step, timer)
-                elif action.kind.is_compute:
-                    self._compute(action, task, step)
+                if action.kind.is_compute:
+                    with self.action_range(action):
+                        if timer is not None:
+                            self._timed_compute(action, task, step, timer)
+                        else:
+                            self._compute(action, task, step)
                 else:
                     assert comm is not None, f"{action} in a single-rank program"
                     self._communicate(action, task, step, comm, plan.peers[index])
@@ -265,6 +271,12 @@ class PipelineExecutor:
     def new_step(self, batches: Sequence[Any], loss_scale: torch.Tensor, plan: _RankPlan, *, sums: StaticSums) -> _Step:
         """A training step's state whose scale and sums live on the device (what captured actions read and write)."""
         return _Step(batches=batches, loss_scale=loss_scale, training=True, split=plan.split, sums=sums)
+
+    def action_range(self, action: Action) -> AbstractContextManager[object]:
+        """The profiler range of a compute action under `annotate_actions`, else nothing."""
+        if not self.annotate_actions:
+            return nullcontext()
+        return torch.profiler.record_function(f"pp:{action.kind.name}:s{action.stage}:m{action.microbatch}")
 
     def communicator(self) -> Communicator | None:
         if self.group is None:
