@@ -297,15 +297,15 @@ for part in "$@"; do case $part in
       done
     fi ;;
   pipeschedules)  # issue 16's table: every pp=4 schedule at PIPE_ROWS rows with CUDA graphs, each planned and split
-    # (--suggest-split) under the cost model measured by `pipemeasured` on 4 x H200 (PIPE_COSTS overrides it)
-    costs=${PIPE_COSTS:---layer-costs 1.00 2.01 0.43 --head-costs 5.28 14.49 0.01 --embedding-costs 0.07 0.00 2.47}
+    # (--suggest-split) under the cost model measured with CUDA graphs on 4 x H200 in session 13 (PIPE_COSTS overrides it)
+    costs=${PIPE_COSTS:---layer-costs 1.00 2.00 0.43 --head-costs 5.94 15.93 0.06 --embedding-costs 0.23 0.00 0.89}
     for schedule in ${PIPE_SCHEDULES:-1f1b interleaved_1f1b zbv dualpipe_v}; do
       run 0,1,2,3 ${PIPE_SECONDS:-120} ppschedules.log bench/pipeline_schedules.py --schedules $schedule --suggest-split \
         --microbatch-rows ${PIPE_ROWS:-4} --warmup 2 --steps 5 --profile-steps 1 --cuda-graphs $costs
     done ;;
   pipememory)  # design note 0030: ZBV planned under the measured cost model with 1.0, 1.5 and 2.0 times 1F1B's
     # activation memory, after the 1F1B baseline, all with CUDA graphs and each split by simulation
-    costs=${PIPE_COSTS:---layer-costs 1.00 2.01 0.43 --head-costs 5.28 14.49 0.01 --embedding-costs 0.07 0.00 2.47}
+    costs=${PIPE_COSTS:---layer-costs 1.00 2.00 0.43 --head-costs 5.94 15.93 0.06 --embedding-costs 0.23 0.00 0.89}
     IFS=, read -ra items <<< "1f1b 1,${PIPE_MEMORY_RUNS:-zbv 1,zbv 1.5,zbv 2}"  # "schedule memory" pairs
     for item in "${items[@]}"; do
       set -- $item
@@ -315,7 +315,7 @@ for part in "$@"; do case $part in
   pipedelays)  # issue 16: where the runtime's share of the bubble goes: 1F1B and ZBV (PIPE_MEMORY, default 1.5x
     # activation memory) planned under the measured cost model with CUDA graphs, one traced step per rank; rank 0
     # prints each rank's lateness after its own previous action, after a peer's input, and outside the actions
-    costs=${PIPE_COSTS:---layer-costs 1.00 2.01 0.43 --head-costs 5.28 14.49 0.01 --embedding-costs 0.07 0.00 2.47}
+    costs=${PIPE_COSTS:---layer-costs 1.00 2.00 0.43 --head-costs 5.94 15.93 0.06 --embedding-costs 0.23 0.00 0.89}
     for item in "1f1b 1" "zbv ${PIPE_MEMORY:-1.5}"; do
       set -- $item
       run 0,1,2,3 ${PIPE_SECONDS:-120} ppdelays.log bench/pipeline_schedules.py --schedules $1 --activation-memory $2 \

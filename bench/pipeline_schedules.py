@@ -2,8 +2,9 @@
 
 The dense anchor of ../shared/reference/anchors.md (Qwen3-0.6B shape) deepened to 32 layers, split over `pp` =
 world size ranks; per step 16 micro-batches of 1 x 4096 tokens (`--microbatch-rows` for more rows), bf16
-parameters, AdamW, clipping at 1.0 summed over the stages. For every schedule: `--warmup` steps, then `--steps`
-timed steps (median), then `--profile-steps` steps under `torch.profiler`. Measured bubble = 1 - (time some compute
+parameters, AdamW (PyTorch's fused step on CUDA since session 13), clipping at 1.0 summed over the stages. For
+every schedule: `--warmup` steps, then `--steps` timed steps (median), then `--profile-steps` steps under
+`torch.profiler`. Measured bubble = 1 - (time some compute
 kernel runs on the rank's GPU, intervals merged) / step time, averaged over ranks: a GPU inside an NCCL kernel is
 waiting for a peer (a receive posted before its data exists spins until it arrives), so communication kernels do
 not count as busy; the column `bubble, comm busy` counts them, as the benchmark did before session 7. On CPU
@@ -45,6 +46,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.profiler import record_function
 
 from d9d.core.dist import DistributedContext, MeshDegrees
 from d9d.core.loop import LossResult
@@ -187,7 +189,7 @@ def trace_step(
     """One more step under the profiler with host activity and every executor action as a named range (compute
     actions through `annotate_actions`, which also covers CUDA-graph replays), exported as a Chrome trace per rank
     (`bench/pipeline_trace.py` reads them: host-bound vs waiting on a peer)."""
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import ProfilerActivity, profile
 
     communicate = executor_module.PipelineExecutor._communicate
 
@@ -199,7 +201,7 @@ def trace_step(
         executor_module.PipelineExecutor._communicate = annotated  # type: ignore[method-assign]
         executor.annotate_actions = True
         activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
-        with profile(activities=activities) as prof, record_function("pp:step"):
+        with profile(activities=activities) as prof:
             step()
     finally:
         executor_module.PipelineExecutor._communicate = communicate  # type: ignore[method-assign]
@@ -338,7 +340,10 @@ def measure(ctx: DistributedContext, kind: str, args: argparse.Namespace) -> Row
         split_backward=args.split_backward,
     )
     model, group = schedule.model, pipeline_group(ctx)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    # PyTorch's fused AdamW on CUDA (torchtitan's default): a few launches instead of a dozen per parameter group,
+    # so the step's work after the last backward is not host-bound; `--optimizer foreach` for the earlier rows' step.
+    fused = cuda and args.optimizer == "fused"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused, foreach=None if fused else True)
     task = Task(params.hidden_size, dtype)
     generator = torch.Generator(device="cpu").manual_seed(0)
     shape_of_batch = (args.microbatch_rows, seq)
@@ -355,12 +360,13 @@ def measure(ctx: DistributedContext, kind: str, args: argparse.Namespace) -> Row
         if cuda:
             torch.cuda.synchronize()
         started = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        schedule.run(model, task, batches, loss_scale=1.0 / tokens, backward=True)
-        clip_grad_norm_(model.parameters(), 1.0, across=group)
-        optimizer.step()
-        if cuda:
-            torch.cuda.synchronize()
+        with record_function("pp:step"):  # the traced step's wall: what the timed steps measure
+            optimizer.zero_grad(set_to_none=True)
+            schedule.run(model, task, batches, loss_scale=1.0 / tokens, backward=True)
+            clip_grad_norm_(model.parameters(), 1.0, across=group)
+            optimizer.step()
+            if cuda:
+                torch.cuda.synchronize()
         return time.perf_counter() - started
 
     for _ in range(args.warmup):
@@ -471,6 +477,12 @@ def main() -> None:
         "--schedules", nargs="+", default=["1f1b", "interleaved_1f1b", "zbv", "dualpipe_v"], choices=sorted(SCHEDULES)
     )
     parser.add_argument("--microbatches", type=int, default=16)
+    parser.add_argument(
+        "--optimizer",
+        choices=("fused", "foreach"),
+        default="fused",
+        help="AdamW's implementation on CUDA (fused since session 13; foreach before); foreach on CPU",
+    )
     parser.add_argument(
         "--microbatch-rows",
         type=int,

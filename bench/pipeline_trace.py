@@ -29,6 +29,7 @@ import json
 import re
 import statistics
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -118,6 +119,15 @@ def _inputs(action: Action, last_stage: int) -> list[Action]:
     return [("FORWARD", stage, microbatch)] + (upstream if stage < last_stage else [])
 
 
+def _launched_inputs(action: Action, last_stage: int, launched: Mapping[Action, ActionKernels]) -> list[Action]:
+    """`_inputs` where an input launched no kernel (the first stage's `I`, which only queues its `W`) stands for its
+    own inputs: the first stage's `W` waits for the gradient from the second stage."""
+    found: list[Action] = []
+    for source in _inputs(action, last_stage):
+        found += [source] if source in launched else _launched_inputs(source, last_stage, launched)
+    return found
+
+
 @dataclass
 class RankDelays:
     """Where one rank's GPU started an action later than it could have (ms): after the rank's previous action
@@ -151,7 +161,7 @@ def runtime_delays(paths: list[Path]) -> dict[str, RankDelays]:
         delays = RankDelays(edges=(first - bounds[name][0] + bounds[name][1] - last) / 1e3 if actions else 0.0)
         previous_end = float("-inf")  # the rank's first action can only be late for its inputs
         for action, kernels in sorted(actions.items(), key=lambda item: item[1].start):
-            inputs = [(everywhere[i].end, i) for i in _inputs(action, last_stage) if i in everywhere]
+            inputs = [(everywhere[i].end, i) for i in _launched_inputs(action, last_stage, everywhere)]
             input_end, source = max(inputs, default=(float("-inf"), None))
             ready = max(previous_end, input_end)
             late = max(0.0, kernels.start - ready) / 1e3 if ready > float("-inf") else 0.0

@@ -151,3 +151,21 @@ def test_lateness_is_charged_to_the_peer_input_or_to_the_rank_itself(tmp_path):
     assert rank1.transfer == pytest.approx(2.0)
     assert rank1.local == pytest.approx(0.0)
     assert rank1.edges == pytest.approx(1.0 + 16.0)  # its own idle start is the pipeline's fill, not an edge
+
+
+def test_the_first_stages_weight_pass_waits_for_the_second_stages_gradient(tmp_path):
+    # The first stage's I launches no kernel (its W is the whole backward): W s0 m0 depends on I s1 m0 on rank 1.
+    _rank_trace(
+        tmp_path / "pipeline-zbv-rows1-rank0.json",
+        (0, 30_000),
+        [("FORWARD:s0:m0", 1_000, 3_000), ("BACKWARD_WEIGHT:s0:m0", 12_000, 20_000)],
+    )
+    _rank_trace(
+        tmp_path / "pipeline-zbv-rows1-rank1.json",
+        (0, 30_000),
+        [("FORWARD:s1:m0", 3_000, 5_000), ("BACKWARD_INPUT:s1:m0", 5_000, 11_500)],
+    )
+    rank0 = runtime_delays(sorted(tmp_path.glob("*.json")))["pipeline-zbv-rows1-rank0.json"]
+    assert rank0.transfer == pytest.approx(0.5)  # from I s1 m0's end at 11.5 ms, not from its own F at 3 ms
+    assert rank0.local == pytest.approx(0.0)
+    assert rank0.worst[0] == (pytest.approx(0.5), "BACKWARD_WEIGHT s0 m0 after BACKWARD_INPUT s1")

@@ -88,19 +88,21 @@ def test_pipeline_costs_reject_bad_values_naming_the_field():
 
 def test_stage_costs_follow_the_layers_of_each_stage():
     # 8 layers, pre 1, post 1 over 4 stages: 10 slots as 3, 3, 2, 2: stage 0 gets layers 0-1 plus the embedding,
-    # stage 3 layer 7 plus the head.
+    # stage 3 layer 7 plus the head. The first stage hands no input gradient back: the executor's split backward
+    # runs its whole backward in W (layers' input and weight gradients, the embedding's), nothing in I.
     costs = MEASURED.stage_costs(4, 8, virtual_layers_pre=1, virtual_layers_post=1)
     layers = [len(PipelineStage(i, 4, 1, 1).layers(8)) for i in range(4)]
     assert layers == [2, 3, 2, 1]
-    assert costs[0] == StageCost(forward=2.0, backward_input=2.0, backward_weight=2.3)
+    assert costs[0] == StageCost(forward=2.0, backward_input=0.0, backward_weight=2 * (1.0 + 1.0) + 0.3)
     assert costs[1] == StageCost(3.0, 3.0, 3.0)
     assert costs[3] == StageCost(forward=1.0 + 5.3, backward_input=1.0 + 17.8, backward_weight=1.0)
 
 
-ANCHOR_ON_H200 = PipelineCosts(  # the dense anchor's costs measured on 4 x H200 (docs/benchmarks.md, session 12)
-    layer=WorkCost(forward=1.0, backward_input=2.01, backward_weight=0.43),
-    head=WorkCost(forward=5.28, backward_input=14.49, backward_weight=0.01),
-    embedding=WorkCost(forward=0.07, backward_weight=2.47),
+ANCHOR_ON_H200 = PipelineCosts(  # the dense anchor's costs measured on 4 x H200 with CUDA graphs (docs/benchmarks.md,
+    # session 13; session 12's embedding weight gradient of 2.47 still held the first stage's layers' input gradients)
+    layer=WorkCost(forward=1.0, backward_input=2.00, backward_weight=0.43),
+    head=WorkCost(forward=5.94, backward_input=15.93, backward_weight=0.06),
+    embedding=WorkCost(forward=0.23, backward_weight=0.89),
 )
 
 
@@ -114,6 +116,20 @@ def test_a_cost_model_is_recovered_from_the_stage_durations_it_implies(pp, pre, 
     for part in ("layer", "head", "embedding"):
         for name in ("forward", "backward_input", "backward_weight"):
             assert getattr(getattr(derived, part), name) == pytest.approx(getattr(getattr(ANCHOR_ON_H200, part), name))
+
+
+def test_the_first_stage_is_measured_as_the_executor_runs_it():
+    # Measured durations of the first stage: its I does nothing (a timer still brackets it), its W is its layers'
+    # whole backward plus the embedding's. The embedding's weight gradient is what W holds beyond the layers' I + W.
+    stages = list(ANCHOR_ON_H200.stage_costs(8, 32, virtual_layers_pre=4, virtual_layers_post=3))
+    layers = len(PipelineStage(0, 8, 4, 3).layers(32))
+    layer = ANCHOR_ON_H200.layer
+    assert stages[0].backward_input == 0.0
+    assert stages[0].backward_weight == pytest.approx(layers * (layer.backward_input + layer.backward_weight) + 0.89)
+    stages[0] = StageCost(stages[0].forward, 0.02, stages[0].backward_weight)  # the empty I's timing noise
+    derived = PipelineCosts.from_stage_costs(stages, 32, virtual_layers_pre=4, virtual_layers_post=3)
+    assert derived.embedding.backward_input == 0.0
+    assert derived.embedding.backward_weight == pytest.approx(0.89 + 0.02)
 
 
 def test_noise_below_the_layers_clips_to_zero():

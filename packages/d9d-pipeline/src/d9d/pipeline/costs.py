@@ -38,17 +38,27 @@ class PipelineCosts(BaseModel):
     embedding: WorkCost = Field(default_factory=WorkCost)
 
     def stage_cost(self, stage: PipelineStage, num_layers: int) -> StageCost:
-        """The forward / input-gradient / weight-gradient cost of `stage` of a `num_layers`-layer model."""
+        """The forward / input-gradient / weight-gradient cost of `stage` of a `num_layers`-layer model.
+
+        The first stage has no input gradient to hand back, so the executor's split backward does nothing in its `I`
+        and the whole backward in its `W` (the layers' input-side gradients are what their weight gradients and the
+        embedding's need): its input-gradient cost is folded into its weight-gradient cost. A full backward costs
+        the same either way.
+        """
         layers = len(stage.layers(num_layers))
         parts = [(float(layers), self.layer)]
         if stage.is_first:
             parts.append((1.0, self.embedding))
         if stage.is_last:
             parts.append((1.0, self.head))
+        backward_input = sum(count * part.backward_input for count, part in parts)
+        backward_weight = sum(count * part.backward_weight for count, part in parts)
+        if stage.is_first:
+            backward_input, backward_weight = 0.0, backward_input + backward_weight
         return StageCost(
             forward=sum(count * part.forward for count, part in parts),
-            backward_input=sum(count * part.backward_input for count, part in parts),
-            backward_weight=sum(count * part.backward_weight for count, part in parts),
+            backward_input=backward_input,
+            backward_weight=backward_weight,
         )
 
     def stage_costs(
@@ -75,6 +85,8 @@ class PipelineCosts(BaseModel):
 
         A layer costs what the stages holding neither the embedding nor the head cost per layer, on average; the
         head and the embedding cost what their stages take beyond their layers (clipped at 0: measurement noise).
+        The first stage's measured weight-gradient pass is its whole backward (`stage_cost`), so its layers' input
+        and weight gradients both come off it; its input-gradient pass does nothing and is not read.
         Everything is returned in units of the measured layer forward. Needs at least one stage with layers and
         neither end of the model, a forward measured there, and a weight-gradient measurement somewhere (a schedule
         with full backwards cannot tell the two halves apart).
@@ -111,8 +123,12 @@ class PipelineCosts(BaseModel):
 
         def beyond_layers(index: int) -> WorkCost:
             count = len(stages[index].layers(num_layers))
+            measured, layers_cost = stage_costs[index], per_layer
+            if stages[index].is_first:  # its W ran the whole backward, its I nothing
+                measured = StageCost(measured.forward, 0.0, measured.backward_input + measured.backward_weight)
+                layers_cost = StageCost(per_layer.forward, 0.0, per_layer.backward_input + per_layer.backward_weight)
             extra = {
-                name: max(getattr(stage_costs[index], name) - count * getattr(per_layer, name), 0.0) / forward
+                name: max(getattr(measured, name) - count * getattr(layers_cost, name), 0.0) / forward
                 for name in ("forward", "backward_input", "backward_weight")
             }
             return WorkCost(**extra)
