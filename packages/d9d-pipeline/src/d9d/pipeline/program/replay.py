@@ -254,7 +254,8 @@ class _Replay:
             dependency = needed
             if needed.kind is ActionKind.BACKWARD_INPUT and needed not in self.done:
                 full = _full_backward(needed)
-                if full in self.done and action.kind is not ActionKind.BACKWARD_WEIGHT:
+                own_input = action.kind is ActionKind.BACKWARD_WEIGHT and needed.stage == action.stage
+                if full in self.done and not own_input:  # a W needs its own I; a gradient may come from a B
                     dependency = full
             owner = self.layout.rank_of(dependency.stage)
             if owner == rank and dependency in self.done:
@@ -361,18 +362,19 @@ def _full_backward(action: Action) -> Action:
 
 def _dependencies(action: Action, last_stage: int) -> list[Action]:
     """Compute actions whose results `action` consumes. A gradient from stage s+1 is named by `I(s+1)`; a full
-    `B(s+1)` satisfies it too."""
+    `B(s+1)` satisfies it too. The first stage has no input gradient to compute: the executor's `I(0)` only marks
+    the point after which its `W(0)` may run the whole backward, and `W(0)` is what takes stage 1's gradient."""
     s, mb = action.stage, action.microbatch
+    gradient = [Action(s + 1, ActionKind.BACKWARD_INPUT, mb)] if s < last_stage else []
     match action.kind:
         case ActionKind.FORWARD:
             return [Action(s - 1, ActionKind.FORWARD, mb)] if s > 0 else []
+        case ActionKind.BACKWARD_INPUT if s == 0:
+            return [Action(s, ActionKind.FORWARD, mb)]
         case ActionKind.BACKWARD | ActionKind.BACKWARD_INPUT:
-            deps = [Action(s, ActionKind.FORWARD, mb)]
-            if s < last_stage:
-                deps.append(Action(s + 1, ActionKind.BACKWARD_INPUT, mb))
-            return deps
+            return [Action(s, ActionKind.FORWARD, mb), *gradient]
         case ActionKind.BACKWARD_WEIGHT:
-            return [Action(s, ActionKind.BACKWARD_INPUT, mb)]
+            return [Action(s, ActionKind.BACKWARD_INPUT, mb), *(gradient if s == 0 else [])]
         case _:
             return []
 

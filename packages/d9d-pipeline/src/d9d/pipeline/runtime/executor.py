@@ -11,7 +11,7 @@ marked so the deferrable ops record their deferrable node, `I` is one ordinary b
 `split_backward="graph"` (or `D9D_PIPELINE_SPLIT_BACKWARD=graph`) selects the graph-walk split instead
 (runtime/split_backward.py), which also defers what the store cannot (tensor-parallel linears, expert-parallel
 experts) at the host cost of walking the graph. The first stage has no input gradient to send: under both its `I`
-does nothing and its `W` is the whole backward.
+does nothing and its `W` is the whole backward, which also takes stage 1's gradient (waits for it) only then.
 
 `cuda_graphs=True` replays the compute actions of training steps as CUDA graphs after a warm-up step and a capture
 step (runtime/cuda_graphs.py, design note 0028); what it cannot capture runs this interpreter with a logged reason.
@@ -289,8 +289,9 @@ class PipelineExecutor:
         stage, mb = action.stage, action.microbatch
         if action.kind is ActionKind.FORWARD and stage > 0 and self.layout.rank_of(stage - 1) != self.rank:
             return (("F", stage, mb),)
-        backward = action.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT)
-        if backward and stage != self.layout.last_stage and self.layout.rank_of(stage + 1) != self.rank:
+        # A first stage's gradient is read by its W (`_compute`), every other stage's by its I or B.
+        reading = (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT if stage == 0 else ActionKind.BACKWARD_INPUT)
+        if action.kind in reading and stage != self.layout.last_stage and self.layout.rank_of(stage + 1) != self.rank:
             return (("B", stage, mb),)
         return ()
 
@@ -368,16 +369,24 @@ class PipelineExecutor:
                 torch.autograd.backward([root], [grad] if grad is not None else None)
                 leaf = step.inputs.pop(key)
                 self._hand_back(action, step, leaf.grad if leaf is not None else None)
+            case ActionKind.BACKWARD_INPUT if action.stage == 0:
+                # Nothing to differentiate: the W runs the whole backward and takes stage 1's gradient itself, so no
+                # action between the two waits for that message (the replay models it so: program/replay.py).
+                step.inputs.pop(key)
             case ActionKind.BACKWARD_INPUT:
                 root, grad = self._backward_root(action, step)
                 leaf = step.inputs.pop(key)
                 if self.split_backward == "store" and leaf is not None:
                     grads, store = store_backward_input([root], [grad], [leaf])
                     step.weight_work[key] = store
-                else:  # the graph walk, or a first stage (its W is the whole backward, no walk)
+                else:  # the graph walk
                     grads, work = backward_input([root], [grad], [leaf] if leaf is not None else [])
                     step.weight_work[key] = work
                 self._hand_back(action, step, grads[0] if grads else None)
+            case ActionKind.BACKWARD_WEIGHT if action.stage == 0:
+                root, grad = self._backward_root(action, step)
+                _, work = backward_input([root], [grad], [])  # a first stage's: the whole backward, no walk
+                backward_weight(work)
             case ActionKind.BACKWARD_WEIGHT:
                 pending = step.weight_work.pop(key)
                 if isinstance(pending, WeightGradientStore):
