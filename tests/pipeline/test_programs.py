@@ -69,6 +69,8 @@ def test_simulated_bubbles_match_closed_forms(p, m):
     assert bubble(partial(interleaved_one_f_one_b, p, m, 2)) == pytest.approx((p - 1) / (2 * m + p - 1))
     one_f_one_b_bubble = bubble(partial(one_f_one_b, p, m))
     assert bubble(partial(zero_bubble_h1, p, m)) < one_f_one_b_bubble
+    if p <= 4:  # the ZB paper's (p-1)(F+I-W) per rank; at p=8 the greedy under 1F1B's memory stays above it
+        assert bubble(partial(zero_bubble_h1, p, m)) == pytest.approx((p - 1) / (3 * m + p - 1))
     if m >= 2 * p:
         interleaved = bubble(partial(interleaved_one_f_one_b, p, m, 2))
         assert bubble(partial(zero_bubble_v, p, m)) < interleaved / 2

@@ -92,21 +92,20 @@ def greedy_zero_bubble(
 ) -> dict[int, list[Action]]:
     """Per-rank compute orders; `max_alive(rank)` bounds the forwards a rank holds before their weight gradient.
 
-    `stage_costs` (one per global stage) are the durations replayed; None: every action one unit, input gradients
-    first on ties. With costs, a small portfolio is planned: both tie orders (input gradients before or after
-    forwards), each with the bound and with one slot less (less memory, never more), and the order whose program
-    replays fastest under those costs is kept. Which one wins depends on the costs (design note 0027).
+    `stage_costs` (one per global stage) are the durations replayed; None: every action one unit (the first stage's
+    `W` two: it is that stage's whole backward). A small portfolio is planned and the order whose program replays
+    fastest under those costs is kept (ties: the first planned). Uniform costs try both tie orders (input gradients
+    before or after forwards); with costs each is also tried with one slot less (less memory, never more). Which one
+    wins depends on the costs (design note 0027).
     """
-    if stage_costs is None:
-        return _greedy(layout, num_microbatches, max_alive, None, input_priority=0)
-    if len(stage_costs) != layout.num_stages:
+    if stage_costs is not None and len(stage_costs) != layout.num_stages:
         raise ValueError(
             f"stage_costs has {len(stage_costs)} entries; the layout has {layout.num_stages} global stages "
             f"(pp={layout.pp} x {layout.stages_per_rank}), one StageCost each"
         )
-    costs = ActionCosts(stage_costs=tuple(stage_costs))
+    costs = ActionCosts() if stage_costs is None else ActionCosts(stage_costs=tuple(stage_costs))
     best: tuple[float, dict[int, list[Action]]] | None = None
-    for slack in (0, 1):
+    for slack in (0,) if stage_costs is None else (0, 1):
         bound = _tightened(max_alive, slack)
         for input_priority in (0, 2):
             try:
@@ -121,6 +120,9 @@ def greedy_zero_bubble(
                 best = (makespan, order)
     assert best is not None
     return best[1]
+
+
+_UNIT = StageCost(1.0, 1.0, 1.0)  # uniform costs: every action one unit (the first stage's W both halves)
 
 
 def _tightened(max_alive: Callable[[int], int], slack: int) -> Callable[[int], int]:
@@ -156,7 +158,7 @@ def _greedy(
         if best is None:
             raise RuntimeError(f"greedy scheduler stuck with {remaining} actions left")  # a bug, not a user error
         start, rank, action = best
-        clock[rank] = start + (1.0 if stage_costs is None else stage_costs[action.stage].of(action.kind))
+        clock[rank] = start + (_UNIT if stage_costs is None else stage_costs[action.stage]).of_action(action)
         state.record(rank, action, clock[rank])
         order[rank].append(action)
         remaining -= 1

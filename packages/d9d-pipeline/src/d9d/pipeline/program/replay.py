@@ -36,6 +36,16 @@ class StageCost:
             if not value >= 0 or value == float("inf"):  # also rejects NaN
                 raise ValueError(f"StageCost.{name}={value} must be a finite non-negative duration")
 
+    def of_action(self, action: Action) -> float:
+        """The duration of compute `action` of this stage. The first stage has no input gradient to compute: the
+        executor runs nothing in its `I` and the whole backward in its `W`, so its `I` costs nothing and its `W`
+        costs both halves."""
+        if action.stage == 0 and action.kind is ActionKind.BACKWARD_INPUT:
+            return 0.0
+        if action.stage == 0 and action.kind is ActionKind.BACKWARD_WEIGHT:
+            return self.backward_input + self.backward_weight
+        return self.of(action.kind)
+
     def of(self, kind: ActionKind) -> float:
         """The duration of a compute action of `kind` (0 for communication)."""
         match kind:
@@ -103,9 +113,9 @@ class ActionCosts:
     def of(self, action: Action, stages_per_rank: int) -> float:
         """The simulated duration of compute `action` on a rank holding `stages_per_rank` stages."""
         if self.stage_costs is not None:
-            return self.stage_costs[action.stage].of(action.kind)
+            return self.stage_costs[action.stage].of_action(action)
         uniform = StageCost(self.forward, self.backward_input, self.backward_weight)
-        return uniform.of(action.kind) / stages_per_rank * self.weight_of(action.stage)
+        return uniform.of_action(action) / stages_per_rank * self.weight_of(action.stage)
 
 
 @dataclass(frozen=True)
