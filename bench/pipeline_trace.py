@@ -120,8 +120,8 @@ def _inputs(action: Action, last_stage: int) -> list[Action]:
 
 
 def _launched_inputs(action: Action, last_stage: int, launched: Mapping[Action, ActionKernels]) -> list[Action]:
-    """`_inputs` where an input launched no kernel (the first stage's `I`, which only queues its `W`) stands for its
-    own inputs: the first stage's `W` waits for the gradient from the second stage."""
+    """`_inputs` where an input launched no kernel (the first stage's `I`, which does nothing) stands for its own
+    inputs."""
     found: list[Action] = []
     for source in _inputs(action, last_stage):
         found += [source] if source in launched else _launched_inputs(source, last_stage, launched)
@@ -150,7 +150,7 @@ def runtime_delays(paths: list[Path]) -> dict[str, RankDelays]:
     for path in paths:
         events = json.loads(path.read_text())["traceEvents"]
         spans[path.name] = action_kernels(events)
-        step = next(e for e in events if e.get("ph") == "X" and e.get("name") == "pp:step")
+        step = next(e for e in events if e.get("name") == "pp:step" and e.get("cat") == "user_annotation")
         bounds[path.name] = (step["ts"], step["ts"] + step["dur"])
     everywhere = {action: kernels for per_rank in spans.values() for action, kernels in per_rank.items()}
     last_stage = max((stage for _, stage, _ in everywhere), default=0)

@@ -117,7 +117,11 @@ def test_each_action_is_charged_the_kernels_it_launched_wherever_they_ran(tmp_pa
 
 def _rank_trace(path: Path, step: tuple[float, float], actions: list[tuple[str, float, float]]) -> None:
     """A rank's trace with the step range and, per action, one launch and one kernel at [start, end) (us)."""
-    events: list[dict[str, object]] = [_event("pp:step", "user_annotation", step[0], step[1] - step[0])]
+    # The profiler also writes a GPU copy of each range (the span of its kernels); it must not be taken for the step.
+    events: list[dict[str, object]] = [
+        _event("pp:step", "gpu_user_annotation", step[0] + 500, step[1] - step[0] - 1000),
+        _event("pp:step", "user_annotation", step[0], step[1] - step[0]),
+    ]
     for correlation, (name, start, end) in enumerate(actions, start=1):
         host = start - 50  # the host runs ahead of its GPU
         events += [

@@ -136,6 +136,22 @@ def load_initial(module: nn.Module, family: str) -> None:
             tensor.copy_(full)
 
 
+def dense_schedule(
+    ctx: DistributedContext, config: PipelineConfig, *, num_layers: int, num_microbatches: int
+) -> PipelineSchedule:
+    """`config`'s schedule over tiny Qwen3 dense stages holding the shared initial weights (no FSDP)."""
+
+    def build_stage(stage: PipelineStage) -> nn.Module:
+        module = build_meta("dense", stage)
+        materialize_(module, ctx.device)
+        load_initial(module, "dense")
+        return module
+
+    return build_pipeline_schedule(
+        config, ctx, num_layers=num_layers, num_microbatches=num_microbatches, build_stage=build_stage
+    )
+
+
 class CausalLMPipelineTask:
     """Labels are already shifted; stages hand over `(rows, seq / sequence_shards, hidden)` float32 hidden states:
     under tensor (sequence) parallelism each tp rank sends its shard of the sequence to the same tp rank of the next

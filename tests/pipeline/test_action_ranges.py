@@ -8,30 +8,18 @@ ZBV at pp=1 (both stages of the V on one rank, no communication), tiny Qwen3 den
 
 from collections import Counter
 
-import torch
-from pipeline_workload import CausalLMPipelineTask, build_meta, context, load_initial, synthetic_source
+from pipeline_workload import CausalLMPipelineTask, context, dense_schedule, synthetic_source
 from torch.profiler import ProfilerActivity, profile
 
 from d9d.core.testing import run_on_ranks
-from d9d.models import materialize_
-from d9d.pipeline import PipelineConfig, PipelineStage, ZeroBubbleVConfig, build_pipeline_schedule
+from d9d.pipeline import PipelineConfig, ZeroBubbleVConfig
 
 MICROBATCHES = 4
 
 
 def _ranges_per_step() -> tuple[Counter[str], Counter[str], Counter[str]]:
-    ctx = context(1)
-
-    def build_stage(stage: PipelineStage) -> torch.nn.Module:
-        module = build_meta("dense", stage)
-        materialize_(module, ctx.device)
-        load_initial(module, "dense")
-        return module
-
     config = PipelineConfig(schedule=ZeroBubbleVConfig())
-    schedule = build_pipeline_schedule(
-        config, ctx, num_layers=4, num_microbatches=MICROBATCHES, build_stage=build_stage
-    )
+    schedule = dense_schedule(context(1), config, num_layers=4, num_microbatches=MICROBATCHES)
     task = CausalLMPipelineTask()
     batches = synthetic_source(seed=5, global_rows=MICROBATCHES).next_step()
 

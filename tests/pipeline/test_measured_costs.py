@@ -15,10 +15,9 @@ import torch.distributed as dist
 from pipeline_workload import (
     LAYERS,
     CausalLMPipelineTask,
-    build_meta,
     context,
+    dense_schedule,
     errors_against,
-    load_initial,
     pipelined_run,
     shared_reference,
     synthetic_source,
@@ -29,18 +28,15 @@ from pydantic import ValidationError
 # the same actions, so the sums differ from single-process training by the same few ulps.
 from test_pipeline_parity import LOSS_RTOL, NORM_RTOL, PARAM_ATOL, ROWS, STEPS
 
-from d9d.models import materialize_
 from d9d.pipeline import (
     PipelineConfig,
     PipelineCosts,
-    PipelineStage,
     ZeroBubbleH1Config,
     ZeroBubbleVConfig,
-    build_pipeline_schedule,
     measure_stage_costs,
     plan_pipeline,
 )
-from d9d.pipeline.program import validate_program
+from d9d.pipeline.program import Action, ActionKind, validate_program
 
 MICROBATCHES = 8
 GRAD_RTOL = 1e-5
@@ -56,18 +52,13 @@ def _gradients(schedule, task, batches, loss_scale):
 
 @pytest.mark.distributed(world_size=2, timeout=240)
 def test_a_measured_step_replans_the_schedule_without_changing_its_arithmetic():
-    ctx = context(2)
-
-    def build_stage(stage: PipelineStage) -> torch.nn.Module:
-        module = build_meta("dense", stage)
-        materialize_(module, ctx.device)
-        load_initial(module, "dense")
-        return module
-
     config = PipelineConfig(schedule=ZeroBubbleVConfig())
-    schedule = build_pipeline_schedule(
-        config, ctx, num_layers=LAYERS, num_microbatches=MICROBATCHES, build_stage=build_stage
-    )
+    schedule = dense_schedule(context(2), config, num_layers=LAYERS, num_microbatches=MICROBATCHES)
+    if dist.get_rank() == 0:  # stages 0 and 3: the first stage's gradient comes from rank 1, read by its W only
+        first_input, first_weight = Action(0, ActionKind.BACKWARD_INPUT, 3), Action(0, ActionKind.BACKWARD_WEIGHT, 3)
+        assert schedule.executor.receives_of(first_input) == ()
+        assert schedule.executor.receives_of(first_weight) == (("B", 0, 3),)
+        assert schedule.executor.receives_of(Action(3, ActionKind.FORWARD, 3)) == (("F", 3, 3),)
     task = CausalLMPipelineTask()
     source = synthetic_source(seed=5, global_rows=MICROBATCHES)
     batches = source.next_step()

@@ -27,6 +27,7 @@ from d9d.pipeline.program import (
     zero_bubble_h1,
     zero_bubble_v,
 )
+from d9d.pipeline.program.communication import insert_communication
 from d9d.pipeline.runtime.executor import check_channel_groups
 
 BUILDERS = {
@@ -323,3 +324,36 @@ def test_stage_weights_must_match_the_stages():
         replay(program, ActionCosts(stage_weights=(1.0, 2.0, 3.0)))
     with pytest.raises(ValueError, match="non-negative"):
         replay(program, ActionCosts(stage_weights=(1.0, -1.0)))
+
+
+def test_the_first_stages_gradient_is_waited_for_by_its_weight_pass_only():
+    # pp=2, a stage per rank, unit costs and a latency of 5 per message. Rank 0 runs F(0,0), I(0,0), F(0,1), W(0,0):
+    # the gradient of micro-batch 0 arrives at 13 (F(0,0) ends at 1, the activation lands at 6, F(1,0) and I(1,0)
+    # end at 8, the gradient lands at 13). The first stage's I computes nothing (the executor runs its whole
+    # backward in W), so F(0,1) must not wait for that gradient; W(0,0) must, and costs both halves.
+    layout = StageLayout(2, 1, Placement.LOOP)
+    compute = {
+        0: [
+            Action(0, ActionKind.FORWARD, 0),
+            Action(0, ActionKind.BACKWARD_INPUT, 0),
+            Action(0, ActionKind.FORWARD, 1),
+            Action(0, ActionKind.BACKWARD_WEIGHT, 0),
+            Action(0, ActionKind.BACKWARD_INPUT, 1),
+            Action(0, ActionKind.BACKWARD_WEIGHT, 1),
+        ],
+        1: [
+            Action(1, ActionKind.FORWARD, 0),
+            Action(1, ActionKind.BACKWARD_INPUT, 0),
+            Action(1, ActionKind.BACKWARD_WEIGHT, 0),
+            Action(1, ActionKind.FORWARD, 1),
+            Action(1, ActionKind.BACKWARD_INPUT, 1),
+            Action(1, ActionKind.BACKWARD_WEIGHT, 1),
+        ],
+    }
+    program = Program("first stage", layout, 2, insert_communication(layout, compute), training=True)
+    validate_program(program)
+    timeline = replay(program, ActionCosts(latency=5.0))
+    starts = {timed.action: (timed.start, timed.end) for timed in timeline.ranks[0]}
+    assert starts[Action(0, ActionKind.BACKWARD_INPUT, 0)] == (1.0, 1.0)
+    assert starts[Action(0, ActionKind.FORWARD, 1)] == (1.0, 2.0)
+    assert starts[Action(0, ActionKind.BACKWARD_WEIGHT, 0)] == (13.0, 15.0)

@@ -1,11 +1,13 @@
 """A greedy list scheduler for zero-bubble programs (ZB-H1 and ZBV).
 
-Replays time with uniform costs (forward, input gradient and weight gradient one unit each), or with each stage's
+Replays time with uniform costs (forward, input gradient and weight gradient one unit each; the first stage's input
+gradient none and its weight gradient two, since that stage's whole backward runs there), or with each stage's
 own forward / input-gradient / weight-gradient costs when given (`StageCost`, e.g. from `PipelineCosts`: a heavy
 head's input gradient then occupies its rank as long as it will on the GPU). Whenever a rank is free
 it starts whichever of its ready input gradients (in micro-batch order per stage) and forwards (while fewer than
 `max_alive` forwards await their weight gradient: the activation memory bound) can start earliest, input gradients
-first on ties since they unblock the ranks upstream; if none can start right away, a pending weight gradient fills
+first on ties since they unblock the ranks upstream (or forwards first: `greedy_zero_bubble` plans both and keeps the
+faster); if none can start right away, a pending weight gradient fills
 what would otherwise be bubble. The order each rank ran things in is its program.
 """
 
@@ -47,6 +49,8 @@ class _State:
             if stage == layout.last_stage:
                 candidates.append((self.forward_done[(stage, mb)], self.input_priority, mb, I(stage, mb)))
             elif (stage + 1, mb) in self.input_done:
+                # The first stage's I reads nothing from stage 1 (its W does), but placing it after the gradient's
+                # arrival costs nothing (it is free) and keeps the receive right before it.
                 ready = max(self.forward_done[(stage, mb)], self.input_done[(stage + 1, mb)])
                 candidates.append((ready, self.input_priority, mb, I(stage, mb)))
         free = self.max_alive(rank) - self.alive.get(rank, 0)

@@ -428,5 +428,5 @@ class ActionGraphs:
 
 
 def _launches_nothing(action: Action) -> bool:
-    """The first stage's input-gradient pass only queues its weight pass (it has no input to differentiate)."""
+    """The first stage's input-gradient pass does nothing: its weight pass is the whole backward."""
     return action.kind is ActionKind.BACKWARD_INPUT and action.stage == 0
