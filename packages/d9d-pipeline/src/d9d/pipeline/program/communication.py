@@ -49,7 +49,6 @@ def produced_sends(layout: StageLayout, rank: int, action: Action) -> list[Actio
     match action.kind:
         case ActionKind.FORWARD if action.stage < layout.last_stage and layout.rank_of(action.stage + 1) != rank:
             return [Action(action.stage, ActionKind.SEND_ACTIVATION, action.microbatch)]
-        # The first stage's gradient is read by its W, not its I; posting the receive before the I is early enough.
         case ActionKind.BACKWARD | ActionKind.BACKWARD_INPUT if (
             action.stage > 0 and layout.rank_of(action.stage - 1) != rank
         ):
