@@ -67,7 +67,7 @@ from d9d.pipeline import (
 )
 from d9d.pipeline.program import ActionCosts, Program, StageCost, replay
 from d9d.pipeline.runtime import executor as executor_module
-from pipeline_trace import measured_costs, runtime_delays
+from pipeline_trace import measured_costs, print_delays
 from trace_summary import union_length
 
 SCHEDULES = {
@@ -230,12 +230,7 @@ def replay_measured(
         stage_costs_ms.append(StageCost(kinds.get("FORWARD", 0.0), backward_input, kinds.get("BACKWARD_WEIGHT", 0.0)))
         print(f"#   {kind} stage {stage} GPU ms per action: " + ", ".join(f"{k} {v:.2f}" for k, v in kinds.items()))
     bubble = replay(program, ActionCosts(stage_costs=tuple(stage_costs_ms))).bubble_fraction
-    for name, delays in runtime_delays(paths).items():  # what the replay has no model of, per rank
-        worst = "; ".join(f"{ms:.2f} ms {label}" for ms, label in delays.worst)
-        print(
-            f"#   {name}: ms late after own previous action {delays.local:.1f}, after a peer's input"
-            f" {delays.transfer:.1f}, outside the actions {delays.edges:.1f}; largest: {worst}"
-        )
+    print_delays(paths)  # what the replay has no model of, per rank
     derived = implied_cost_model(stage_costs_ms, config, num_layers)
     if derived is not None:
         print(f"#   {kind}: measured cost model {cost_flags(derived)}")

@@ -222,6 +222,15 @@ def summarise(path: Path) -> dict[str, Any]:
     }
 
 
+def print_delays(paths: list[Path]) -> None:
+    """`runtime_delays` of one run's traces as a table, each rank's largest delays beneath it."""
+    print("\n| trace | ms late after own previous action | after a peer's input | outside the actions |")
+    print("|---|---|---|---|")
+    for name, delays in runtime_delays(paths).items():
+        print(f"| {name} | {delays.local:.1f} | {delays.transfer:.1f} | {delays.edges:.1f} |")
+        print(f"#   {name} largest: " + "; ".join(f"{ms:.2f} ms {label}" for ms, label in delays.worst))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("trace_dir", type=Path)
@@ -245,13 +254,8 @@ def main() -> None:
     for path in sorted(args.trace_dir.glob("pipeline-*-rank*.json")):
         groups[path.name.rsplit("-rank", 1)[0]].append(path)
     if args.delays:
-        print("\n| trace | late after own previous action | late after a peer's input | outside the actions |")
-        print("|---|---|---|---|")
         for paths in groups.values():
-            for name, delays in runtime_delays(paths).items():
-                worst = "; ".join(f"{ms:.2f} ms {label}" for ms, label in delays.worst)
-                print(f"| {name} | {delays.local:.1f} | {delays.transfer:.1f} | {delays.edges:.1f} |")
-                print(f"#   {name} largest: {worst}")
+            print_delays(paths)
     if args.costs:
         for name, paths in groups.items():
             print(f"\n{name}: GPU ms per action (median over micro-batches)\n")

@@ -332,23 +332,10 @@ def test_the_first_stages_gradient_is_waited_for_by_its_weight_pass_only():
     # end at 8, the gradient lands at 13). The first stage's I computes nothing (the executor runs its whole
     # backward in W), so F(0,1) must not wait for that gradient; W(0,0) must, and costs both halves.
     layout = StageLayout(2, 1, Placement.LOOP)
+    f, i, w = ActionKind.FORWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT
     compute = {
-        0: [
-            Action(0, ActionKind.FORWARD, 0),
-            Action(0, ActionKind.BACKWARD_INPUT, 0),
-            Action(0, ActionKind.FORWARD, 1),
-            Action(0, ActionKind.BACKWARD_WEIGHT, 0),
-            Action(0, ActionKind.BACKWARD_INPUT, 1),
-            Action(0, ActionKind.BACKWARD_WEIGHT, 1),
-        ],
-        1: [
-            Action(1, ActionKind.FORWARD, 0),
-            Action(1, ActionKind.BACKWARD_INPUT, 0),
-            Action(1, ActionKind.BACKWARD_WEIGHT, 0),
-            Action(1, ActionKind.FORWARD, 1),
-            Action(1, ActionKind.BACKWARD_INPUT, 1),
-            Action(1, ActionKind.BACKWARD_WEIGHT, 1),
-        ],
+        0: [Action(0, kind, mb) for kind, mb in ((f, 0), (i, 0), (f, 1), (w, 0), (i, 1), (w, 1))],
+        1: [Action(1, kind, mb) for kind, mb in ((f, 0), (i, 0), (w, 0), (f, 1), (i, 1), (w, 1))],
     }
     program = Program("first stage", layout, 2, insert_communication(layout, compute), training=True)
     validate_program(program)
