@@ -8,6 +8,9 @@ GPU) with FSDP (bf16 compute, fp32 reduce, fp32 master weights, AdamW, clipping 
 - `ep_capacity`: `ep=N` with the static-capacity all-to-all (`all_to_all_capacity`, design 0029): fixed
   `C = round_up(ceil(--capacity-factor * T * k / N), 16)` rows per rank pair, no host sync; its row also prints the
   share of routed copies dropped over capacity;
+- `ep_tokens`: `ep=N` with the token-level static-capacity all-to-all (`all_to_all_tokens`, design 0031): each token
+  sent once per destination rank and returned as one weighted row, `T` token rows per rank pair (never drops), and
+  `--copy-capacity-factor` x `T * k` expert rows per rank; no host sync;
 - `deep_ep`: `ep=N` with DeepEP's normal mode (skipped, with the reason, when `deep_ep` does not import).
 
 `--dense-layouts` picks how the expert-parallel modes shard the dense domain (embedding, attention, router, norms,
@@ -26,6 +29,12 @@ LM head), each listed layout a row of its own:
 - `split`: `whole` with the LM head a unit of its own: its post-backward fires right after its backward (the first
   of the step), so its reduce-scatter overlaps the decoder layers' backward; only the decoder stack's (embedding and
   layers) stays at the end. Same unsharded memory as `whole`;
+- `replicate`: no FSDP: the dense parameters replicated on every rank (bucketed float32 all-reduce overlapped with
+  backward), the experts each on one rank (`ep` = the data ranks, as `dp_replicate`); the layout a CUDA-graphed step
+  needs, since FSDP frees and re-allocates its unsharded parameters every step (design 0031). For `fsdp` (ep=1)
+  every parameter, experts included, is replicated: plain data parallelism;
+- `single` (ep=1 on one GPU): no data parallelism at all (`SingleDeviceConfig`), the 1-GPU figure without FSDP's
+  per-layer copies and hooks;
 - `kept`: `layers` (a unit per decoder layer, embedding and LM head) not resharded after forward: no all-gather in
   backward, each layer's reduce-scatter overlapping the next layers' backward, only the embedding's at the end; the
   per-layer FSDP hooks come back into the host-bound forward. Same unsharded memory as `whole`.
@@ -33,6 +42,11 @@ LM head), each listed layout a row of its own:
 Every mode uses the same optimizer (`--optimizer`): by default `StochasticAdamW(fused=True)` with d9d-kernels'
 multi-tensor Triton step (float32 parameters, so exactly AdamW's update; one launch per bucket rather than a dozen
 per parameter); `torch` is `torch.optim.AdamW(foreach=False)`, the per-parameter loop of the first measurements.
+
+`--cuda-graph` replays each step's forward, backward and gradient synchronisation as one CUDA graph
+(`d9d.core.loop.CudaGraphedStep`, captured in the first timed warm-up step after two eager runs); clipping and the
+optimizer stay eager. It needs a step with no host sync and static addresses: `ep_capacity` or `ep_tokens` with the
+`replicate` layout, or `fsdp` with `single` or `replicate` (`--fsdp-layouts`). Rows are labelled `-graphed`.
 
 `--compile-layers` compiles every decoder layer's forward (`DecoderConfig.compile_layers`, Inductor on CUDA, `aot_eager`
 on CPU, where the smoke run checks the wiring, not speed) in every mode, the `fsdp` baseline and the 1-GPU row included,
@@ -86,23 +100,40 @@ from torch.profiler import ProfilerActivity, profile
 
 from anchor_models import MOE, MOE_BATCH, tiny
 from d9d.core.dist import DistributedContext, MeshDegrees
+from d9d.core.loop import CudaGraphedStep
 from d9d.core.optim import StochasticAdamW
 from d9d.kernels.expert_dispatch import (
     AllToAllCapacityDispatchConfig,
     AllToAllCapacityDispatcher,
     AllToAllDispatchConfig,
     AllToAllDispatcher,
+    AllToAllTokenCapacityDispatcher,
+    AllToAllTokensDispatchConfig,
     AnyExpertDispatchConfig,
     DeepEpDispatchConfig,
 )
 from d9d.kernels.grouped_mm import GROUPED_MM_CONFIG_ADAPTER
 from d9d.models import DecoderConfig, Role, materialize_
 from d9d.models.qwen3 import Qwen3MoeForCausalLM, Qwen3MoeParameters, parallelize_qwen3_moe
-from d9d.parallel import FsdpConfig, MixedPrecisionConfig, clip_grad_norm_
+from d9d.parallel import (
+    AnyDataParallelConfig,
+    FsdpConfig,
+    MixedPrecisionConfig,
+    ReplicateConfig,
+    SingleDeviceConfig,
+    clip_grad_norm_,
+)
 
 DISPATCH_RANGES = ("moe.dispatch", "moe.combine")
 # Backward of the token exchange: the autograd nodes of the all-to-all and DeepEP functions.
-BACKWARD_NODES = ("_AllToAllBackward", "_DispatchBackward", "_CombineBackward", "_GatherToSlotsBackward")
+BACKWARD_NODES = (
+    "_AllToAllBackward",
+    "_DispatchBackward",
+    "_CombineBackward",
+    "_GatherToSlotsBackward",
+    "_TokensToSlotsBackward",
+    "_SumFromSlotsBackward",
+)
 # Kernel families by (lower-case) kernel name, first match wins; device time per step of each is reported.
 KERNEL_FAMILIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("a2a", ("sendrecv", "alltoall", "all_to_all", "deep_ep", "intranode")),
@@ -117,7 +148,7 @@ PROFILE_OVERHEAD_STEPS = 20
 PROFILE_OVERHEAD_SECONDS = 10.0
 
 
-DENSE_LAYOUTS = ("layers", "whole", "split", "kept")
+DENSE_LAYOUTS = ("layers", "whole", "split", "kept", "replicate", "single")
 # `whole`: the decoder stack (`model`: embedding, layers, final norm) is one unit, the root (LM head) the other.
 WHOLE_DENSE_UNITS = ["model"]
 
@@ -142,10 +173,12 @@ class Breakdown:
     device_seconds: dict[str, float]
 
 
-MODES = ("fsdp", "ep", "ep_capacity", "deep_ep")
+MODES = ("fsdp", "ep", "ep_capacity", "ep_tokens", "deep_ep")
 
 
-def dispatch_config(mode: str, capacity_factor: float = 2.0) -> AnyExpertDispatchConfig | None:
+def dispatch_config(
+    mode: str, capacity_factor: float = 2.0, copy_capacity_factor: float = 2.0
+) -> AnyExpertDispatchConfig | None:
     match mode:
         case "fsdp":
             return None
@@ -153,15 +186,21 @@ def dispatch_config(mode: str, capacity_factor: float = 2.0) -> AnyExpertDispatc
             return AllToAllDispatchConfig()
         case "ep_capacity":
             return AllToAllCapacityDispatchConfig(capacity_factor=capacity_factor)
+        case "ep_tokens":
+            return AllToAllTokensDispatchConfig(copy_capacity_factor=copy_capacity_factor)
         case "deep_ep":
             return DeepEpDispatchConfig()
         case _:
             raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
 
 
-def data_parallel_config(layout: str, mixed: MixedPrecisionConfig | None) -> FsdpConfig:
-    """The dense domain's FSDP for `layout` (see the module docstring)."""
+def data_parallel_config(layout: str, mixed: MixedPrecisionConfig | None) -> AnyDataParallelConfig:
+    """The dense domain's data parallelism for `layout` (see the module docstring)."""
     match layout:
+        case "replicate":
+            return ReplicateConfig(mixed_precision=mixed)
+        case "single":
+            return SingleDeviceConfig(mixed_precision=mixed)
         case "layers":
             return FsdpConfig(mixed_precision=mixed)
         case "whole":
@@ -198,7 +237,9 @@ def build_optimizer(model: torch.nn.Module, kind: str, device: torch.device) -> 
 
 def decoder_config(mode: str, args: argparse.Namespace, device: torch.device) -> DecoderConfig:
     """The model's run options: the mode's dispatch, `--grouped-mm`, `--kernels` and `--compile-layers`."""
-    options: dict[str, object] = {"expert_dispatch": dispatch_config(mode, args.capacity_factor)}
+    options: dict[str, object] = {
+        "expert_dispatch": dispatch_config(mode, args.capacity_factor, args.copy_capacity_factor)
+    }
     if args.grouped_mm:
         options["grouped_mm"] = GROUPED_MM_CONFIG_ADAPTER.validate_json(args.grouped_mm)
     if args.compile_layers:
@@ -217,10 +258,19 @@ def decoder_config(mode: str, args: argparse.Namespace, device: torch.device) ->
     return DecoderConfig.model_validate(options)
 
 
+def mesh_degrees(layout: str, ep: int) -> MeshDegrees:
+    """Data ranks as `dp_replicate` for the replicated layout (every expert on one rank), else as `dp_shard`."""
+    if layout == "replicate":
+        return MeshDegrees(dp_replicate=int(os.environ.get("WORLD_SIZE", "1")), ep=ep)
+    return MeshDegrees(dp_shard=-1, ep=ep)
+
+
 def build_step(
     mode: str, layout: str, ctx: DistributedContext, params: Qwen3MoeParameters, args: argparse.Namespace
 ) -> tuple[Callable[[], None], int, torch.nn.Module]:
-    """The training step of `mode` on this rank, the tokens it trains on, and the model."""
+    """The training step of `mode` on this rank, the tokens it trains on, and the model. With `--cuda-graph` the
+    step's forward, backward and gradient synchronisation replay as one CUDA graph (`CudaGraphedStep`, captured in
+    the first call); clipping and the optimizer stay eager."""
     device = ctx.device
     batch, seq = (2, 64) if args.tiny else MOE_BATCH
     config = decoder_config(mode, args, device)
@@ -228,7 +278,7 @@ def build_step(
     with torch.device("meta"):
         model = Qwen3MoeForCausalLM(params, config=config)
     mixed = MixedPrecisionConfig() if device.type == "cuda" else None  # bf16 compute needs bf16 kernels
-    parallelize_qwen3_moe(model, ctx, data_parallel_config(layout, mixed))
+    sync = parallelize_qwen3_moe(model, ctx, data_parallel_config(layout, mixed))
     materialize_(model, device)
     optimizer = build_optimizer(model, args.optimizer, device)
     generator = torch.Generator(device=device).manual_seed(1 + ctx.rank)
@@ -236,9 +286,17 @@ def build_step(
     labels = torch.randint(0, params.vocab_size, (batch, seq), device=device, generator=generator)
     tokens = batch * seq
 
+    def forward_backward() -> torch.Tensor:
+        sync.begin_step(1)
+        loss = model(ids, labels=labels).losses.sum() / (tokens * ctx.world_size)
+        loss.backward()
+        sync.wait()
+        return loss.detach()
+
+    replay = CudaGraphedStep(forward_backward, warmup=2) if args.cuda_graph else forward_backward
+
     def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        (model(ids, labels=labels).losses.sum() / (tokens * ctx.world_size)).backward()
+        replay()
         clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
 
@@ -257,11 +315,15 @@ def routing_imbalance(model: torch.nn.Module, device: torch.device) -> list[floa
     return (stacked.max(dim=0).values / stacked.mean(dim=0).clamp(min=1.0)).tolist()
 
 
-def all_to_all_dispatchers(model: torch.nn.Module) -> list[AllToAllDispatcher | AllToAllCapacityDispatcher]:
-    found: list[AllToAllDispatcher | AllToAllCapacityDispatcher] = []
+AllToAllKinds = AllToAllDispatcher | AllToAllCapacityDispatcher | AllToAllTokenCapacityDispatcher
+CapacityKinds = AllToAllCapacityDispatcher | AllToAllTokenCapacityDispatcher
+
+
+def all_to_all_dispatchers(model: torch.nn.Module) -> list[AllToAllKinds]:
+    found: list[AllToAllKinds] = []
     for module in model.modules():
         dispatcher = getattr(module, "dispatcher", None)
-        if isinstance(dispatcher, AllToAllDispatcher | AllToAllCapacityDispatcher):
+        if isinstance(dispatcher, AllToAllKinds):
             found.append(dispatcher)
     return found
 
@@ -269,7 +331,7 @@ def all_to_all_dispatchers(model: torch.nn.Module) -> list[AllToAllDispatcher | 
 def dropped_share(model: torch.nn.Module, device: torch.device) -> float | None:
     """Copies dropped over capacity / copies routed, over every rank, layer and step so far (capacity mode only);
     the counters are device tensors, read here once, after the timed steps."""
-    layers = [d for d in all_to_all_dispatchers(model) if isinstance(d, AllToAllCapacityDispatcher)]
+    layers = [d for d in all_to_all_dispatchers(model) if isinstance(d, CapacityKinds)]
     if not layers or not dist.is_initialized():
         return None
     dropped = torch.stack([d.dropped_copies for d in layers]).sum().double().to(device)
@@ -375,13 +437,18 @@ def breakdown_line(result: Result, breakdown: Breakdown) -> str:
     return line + "; device ms (share): " + ", ".join(parts)
 
 
-def runs(modes: list[str], layouts: list[str], deep_ep_layouts: list[str] | None = None) -> list[tuple[str, str]]:
-    """(mode, dense layout) pairs in order: `fsdp` once (per-layer units, the baseline), the others once per layout
-    (`deep_ep` once per `deep_ep_layouts` when given)."""
+def runs(
+    modes: list[str],
+    layouts: list[str],
+    deep_ep_layouts: list[str] | None = None,
+    fsdp_layouts: list[str] | None = None,
+) -> list[tuple[str, str]]:
+    """(mode, dense layout) pairs in order: `fsdp` once per `fsdp_layouts` (default: per-layer units, the
+    baseline), the others once per layout (`deep_ep` once per `deep_ep_layouts` when given)."""
 
     def layouts_of(mode: str) -> list[str]:
         if mode == "fsdp":
-            return ["layers"]
+            return fsdp_layouts or ["layers"]
         return deep_ep_layouts if mode == "deep_ep" and deep_ep_layouts else layouts
 
     return [(mode, layout) for mode in modes for layout in layouts_of(mode)]
@@ -402,6 +469,12 @@ def main() -> None:
         help="ep_capacity mode: rows per rank pair over the mean T * k / ep (design 0029)",
     )
     parser.add_argument(
+        "--copy-capacity-factor",
+        type=float,
+        default=2.0,
+        help="ep_tokens mode: expert rows per rank over the mean T * k (design 0031)",
+    )
+    parser.add_argument(
         "--dense-layouts",
         nargs="+",
         default=["layers"],
@@ -414,6 +487,19 @@ def main() -> None:
         default=None,
         choices=list(DENSE_LAYOUTS),
         help="dense layouts of the deep_ep mode (default: --dense-layouts)",
+    )
+    parser.add_argument(
+        "--fsdp-layouts",
+        nargs="+",
+        default=None,
+        choices=list(DENSE_LAYOUTS),
+        help="layouts of the ep=1 mode (default: layers); `single` on one GPU, `replicate` for plain data parallelism",
+    )
+    parser.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="replay each step's forward, backward and gradient sync as one CUDA graph (design 0031); needs a "
+        "capturable step: ep_capacity or fsdp, with the replicate or single layout",
     )
     parser.add_argument("--optimizer", default="fused", choices=["fused", "torch"], help="the same for every mode")
     parser.add_argument("--steps", type=int, default=20)
@@ -446,19 +532,21 @@ def main() -> None:
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
     shape = "2 x 64 (tiny)" if args.tiny else f"{MOE_BATCH[0]} x {MOE_BATCH[1]}"
     compiled = ", decoder layers compiled" if args.compile_layers else ""
+    compiled += ", CUDA-graphed forward/backward" if args.cuda_graph else ""
     emit(
         f"# {datetime.date.today()} {world} x {device_name}, torch {torch.__version__}, per-GPU batch {shape}, "
         f"optimizer {args.optimizer}, kernels {args.kernels}{compiled}"
     )
     emit("| mode | GPUs | tokens/s per GPU (slowest) | peak memory | median step |")
     emit("|---|---|---|---|---|")
-    for mode, layout in runs(args.modes, args.dense_layouts, args.deep_ep_layouts):
+    for mode, layout in runs(args.modes, args.dense_layouts, args.deep_ep_layouts, args.fsdp_layouts):
         label = (mode if layout == "layers" else f"{mode}-{layout}") + ("-compiled" if args.compile_layers else "")
+        label += "-graphed" if args.cuda_graph else ""
         ep = 1 if mode == "fsdp" else world
         if mode == "deep_ep" and importlib.util.find_spec("deep_ep") is None:
             emit(f"| {label} | {world} | skipped: deep_ep is not installed (bench/build_deepep.sh) | | |")
             continue
-        ctx = DistributedContext.build(MeshDegrees(dp_shard=-1, ep=ep), device=args.device)
+        ctx = DistributedContext.build(mesh_degrees(layout, ep), device=args.device)
         step: Callable[[], None] | None = None
         model: torch.nn.Module | None = None
         try:
@@ -474,7 +562,12 @@ def main() -> None:
                 emit(f"#   {label}: rows received, max/mean over ranks per MoE layer: {per_layer}")
             dropped = dropped_share(model, ctx.device)
             if dropped is not None:
-                emit(f"#   {label}: capacity factor {args.capacity_factor}, routed copies dropped: {dropped:.3%}")
+                factor = (
+                    f"copy capacity factor {args.copy_capacity_factor}"
+                    if mode == "ep_tokens"
+                    else (f"capacity factor {args.capacity_factor}")
+                )
+                emit(f"#   {label}: {factor}, routed copies dropped: {dropped:.3%}")
             emit(f"<!-- {json.dumps(asdict(result))} -->")
             needed = (args.profile_steps + PROFILE_OVERHEAD_STEPS) * result.median_seconds + PROFILE_OVERHEAD_SECONDS
             left = args.budget_seconds - (time.monotonic() - started)

@@ -27,11 +27,17 @@ from torch.distributed.tensor import DTensor
 
 from d9d.core.checkpoint import JobCheckpointer, ModelAndOptimizer
 from d9d.core.dist import DistributedContext, MeshDegrees
-from d9d.kernels.expert_dispatch import AllToAllCapacityDispatchConfig, AllToAllCapacityDispatcher, AllToAllDispatcher
+from d9d.kernels.expert_dispatch import (
+    AllToAllCapacityDispatchConfig,
+    AllToAllCapacityDispatcher,
+    AllToAllDispatcher,
+    AllToAllTokenCapacityDispatcher,
+    AllToAllTokensDispatchConfig,
+)
 from d9d.models import DecoderConfig
 from d9d.models.blocks.moe import MoELayer
 from d9d.models.qwen3 import parallelize_qwen3_moe
-from d9d.parallel import FsdpConfig, HsdpConfig, ReplicateConfig
+from d9d.parallel import FsdpConfig, HsdpConfig, ReplicateConfig, SingleDeviceConfig
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:FSDP2-wrapped module.*returned a view tensor:UserWarning",
@@ -46,6 +52,9 @@ LAYOUTS = {
     "ep4-fsdp4": (4, MeshDegrees(dp_shard=4, ep=4), FsdpConfig()),
     "ep2-over-hsdp2x2": (4, MeshDegrees(dp_replicate=2, dp_shard=2, ep=2), HsdpConfig()),
     "ep2-efsdp2-fsdp4": (4, MeshDegrees(dp_shard=4, ep=2), FsdpConfig()),  # experts also FSDP over ep_replicate=2
+    # Dense parameters replicated (bucketed all-reduce), experts one rank each: no FSDP anywhere (docs/design/0031).
+    "ep2-replicate2": (2, MeshDegrees(dp_replicate=2, ep=2), ReplicateConfig()),
+    "ep4-replicate4": (4, MeshDegrees(dp_replicate=4, ep=4), ReplicateConfig()),
     # Attention and dense layers tp+sp, experts whole (etp=1): each tp rank dispatches its sequence shard over ep,
     # expert gradients summed over ep_replicate x tp (docs/design/0021).
     "tp2-ep2-fsdp2": (4, MeshDegrees(dp_shard=2, tp=2, ep=2), FsdpConfig()),
@@ -132,6 +141,28 @@ def test_static_capacity_exchange_without_drops_trains_like_single_process(world
     _assert_same_parameters(model, reference)
 
 
+@pytest.mark.parametrize(
+    ("world_size", "layout"), [(2, "ep2-replicate2"), (4, "ep4-fsdp4")], ids=["ep2-replicate", "ep4-fsdp"]
+)
+@pytest.mark.distributed(timeout=300)
+def test_token_exchange_trains_like_single_process(world_size, layout):
+    # Each token sent once per destination rank (design 0031) at the default token capacity (never drops) and a copy
+    # capacity of ep (cannot drop): the all-to-all dispatcher's tolerances (the tokens' partial sums are added in
+    # another order, a float32 rounding).
+    _, degrees, config = LAYOUTS[layout]
+    dispatch = AllToAllTokensDispatchConfig(copy_capacity_factor=float(world_size))
+    ctx, model, sync = _parallel(degrees, config, EAGER.model_copy(update={"expert_dispatch": dispatch}))
+    layers = [module for module in model.modules() if isinstance(module, MoELayer)]
+    assert layers and all(isinstance(layer.dispatcher, AllToAllTokenCapacityDispatcher) for layer in layers)
+    trace = train(model, optimizer_for(model), range(STEPS), ctx=ctx, sync=sync)
+    for layer in layers:
+        dropped = layer.exchange_dropped_copies
+        assert dropped is not None and int(dropped) == 0
+    reference, reference_trace = _reference(range(STEPS))
+    _assert_same_training(trace, reference_trace)
+    _assert_same_parameters(model, reference)
+
+
 @pytest.mark.parametrize("dispatch", [None, AllToAllCapacityDispatchConfig(capacity_factor=2.0)], ids=["a2a", "cap"])
 @pytest.mark.distributed(world_size=2, timeout=300)
 def test_expert_parallel_with_activation_checkpointing_recomputes_the_exchange(dispatch):
@@ -166,11 +197,14 @@ def test_job_checkpoint_written_at_ep4_resumes_at_ep2_and_at_ep1(tmp_path):
     _assert_same_parameters(model, reference)
 
 
-@pytest.mark.distributed(world_size=2, timeout=120)
-def test_expert_parallel_refuses_replicate_data_parallelism_and_bad_degrees():
-    ctx = DistributedContext.build(MeshDegrees(dp_replicate=2, ep=2))
-    with pytest.raises(ValueError, match="kind='fsdp' or kind='hsdp'"):
+@pytest.mark.distributed(world_size=4, timeout=120)
+def test_expert_parallel_refuses_replicate_where_experts_are_shared_by_ranks():
+    # ep=2 over 4 data ranks leaves two replicas of each expert shard: replicate has nothing to reduce them with.
+    ctx = DistributedContext.build(MeshDegrees(dp_replicate=4, ep=2))
+    with pytest.raises(ValueError, match=r"kind='replicate' with ep=2 .* leaves 2 ranks per expert.*set ep to 4"):
         parallelize_qwen3_moe(build_meta(), ctx, ReplicateConfig())
+    with pytest.raises(ValueError, match="kind='single'"):
+        parallelize_qwen3_moe(build_meta(), ctx, SingleDeviceConfig())
 
 
 def test_expert_parallel_degree_check_names_the_valid_values():

@@ -23,7 +23,7 @@ from d9d.parallel.offload import compute_device, is_cpu_offloaded, offloaded_mod
 from d9d.parallel.plan import ByName, ByRole, ModuleSelector, assign_role, roles_of, select_modules
 from d9d.parallel.replicate import ReplicateHandle, parallelize_replicate, replicated_parameters
 from d9d.parallel.single_device import SingleDeviceGradientSync, cast_parameters_, parallelize_single_device
-from d9d.parallel.sync import GradientSync, ModuleGradientSync
+from d9d.parallel.sync import GradientSync, GradientSyncs, ModuleGradientSync
 
 __all__ = [
     "BF16_COMPUTE_FP32_REDUCE",
@@ -34,6 +34,7 @@ __all__ = [
     "FsdpConfig",
     "GradientSync",
     "GradientSynchronizer",
+    "GradientSyncs",
     "HsdpConfig",
     "MixedPrecision",
     "MixedPrecisionConfig",

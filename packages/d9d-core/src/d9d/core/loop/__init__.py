@@ -1,6 +1,7 @@
 """The execution engine: `Trainer` and `Inference` over injected providers, typed events, schedules."""
 
 from d9d.core.loop.config import CheckpointingConfig, NonFiniteConfig, TrainerConfig
+from d9d.core.loop.cuda_graph import CudaGraphedStep
 from d9d.core.loop.defaults import NoGradientSync, clip_grad_norm_torch
 from d9d.core.loop.evaluation import EvaluationResult, evaluate
 from d9d.core.loop.events import (
@@ -52,6 +53,7 @@ __all__ = [
     "CheckpointStarted",
     "CheckpointWritten",
     "CheckpointingConfig",
+    "CudaGraphedStep",
     "DataProvider",
     "DataSource",
     "EvaluationResult",

@@ -1,13 +1,19 @@
 """Expert dispatch behind one interface: all-to-all (reference, gloo and NCCL), all-to-all with a static capacity
-(no host sync) and DeepEP (optional)."""
+(no host sync), the same sending each token once per destination rank, and DeepEP (optional)."""
 
 from d9d.kernels.expert_dispatch.all_to_all import AllToAllDispatcher, all_to_all
 from d9d.kernels.expert_dispatch.api import DispatchedTokens, TokenDispatcher, mark_row_count_dynamic, split_experts
 from d9d.kernels.expert_dispatch.capacity import AllToAllCapacityDispatcher, pair_capacity
+from d9d.kernels.expert_dispatch.capacity_tokens import (
+    AllToAllTokenCapacityDispatcher,
+    expert_row_capacity,
+    token_pair_capacity,
+)
 from d9d.kernels.expert_dispatch.config import (
     EXPERT_DISPATCH_CONFIG_ADAPTER,
     AllToAllCapacityDispatchConfig,
     AllToAllDispatchConfig,
+    AllToAllTokensDispatchConfig,
     AnyExpertDispatchConfig,
     DeepEpDispatchConfig,
     build_token_dispatcher,
@@ -31,6 +37,8 @@ __all__ = [
     "AllToAllCapacityDispatcher",
     "AllToAllDispatchConfig",
     "AllToAllDispatcher",
+    "AllToAllTokenCapacityDispatcher",
+    "AllToAllTokensDispatchConfig",
     "AnyExpertDispatchConfig",
     "DeepEpDispatchConfig",
     "DeepEpDispatcher",
@@ -42,6 +50,7 @@ __all__ = [
     "capabilities_of_group",
     "count_per_expert",
     "detect_expert_dispatch_config",
+    "expert_row_capacity",
     "gather_sorted_rows",
     "import_deep_ep",
     "mark_row_count_dynamic",
@@ -50,5 +59,6 @@ __all__ = [
     "resolve_expert_dispatch_config",
     "sort_by_expert",
     "split_experts",
+    "token_pair_capacity",
     "weighted_unsort",
 ]

@@ -12,6 +12,11 @@ from d9d.kernels.capability import Capabilities, detect_capabilities
 from d9d.kernels.expert_dispatch.all_to_all import AllToAllDispatcher
 from d9d.kernels.expert_dispatch.api import TokenDispatcher
 from d9d.kernels.expert_dispatch.capacity import DEFAULT_CAPACITY_FACTOR, AllToAllCapacityDispatcher
+from d9d.kernels.expert_dispatch.capacity_tokens import (
+    DEFAULT_COPY_CAPACITY_FACTOR,
+    DEFAULT_TOKEN_CAPACITY_FACTOR,
+    AllToAllTokenCapacityDispatcher,
+)
 from d9d.kernels.expert_dispatch.deep_ep import DeepEpDispatcher
 from d9d.kernels.selection import resolve_backend_config
 
@@ -42,6 +47,31 @@ class AllToAllCapacityDispatchConfig(BaseModel):
     )
 
 
+class AllToAllTokensDispatchConfig(BaseModel):
+    """Like `all_to_all_capacity` (static shapes, no host sync), but each token travels once to each rank that owns
+    one of its experts and comes back as one row, its local experts' outputs already weighted and summed (design
+    0031): at top-8 over 4 ranks, half the padded copies' exchange volume, and nothing is dropped on the way at the
+    default `token_capacity_factor`. Never picked by detection (the expert rows per rank have a capacity): ask for
+    it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    kind: Literal["all_to_all_tokens"] = "all_to_all_tokens"
+    token_capacity_factor: float = Field(
+        default=DEFAULT_TOKEN_CAPACITY_FACTOR,
+        gt=0,
+        le=1,
+        allow_inf_nan=False,
+        description="token rows each rank sends each rank, over the tokens T (rounded up to 16); 1.0 never drops",
+    )
+    copy_capacity_factor: float = Field(
+        default=DEFAULT_COPY_CAPACITY_FACTOR,
+        gt=0,
+        allow_inf_nan=False,
+        description="expert input rows per rank, over the mean T * k (rounded up to 16); ep never drops, 2.0 covers "
+        "the anchor's busiest rank (1.6x the mean)",
+    )
+
+
 class DeepEpDispatchConfig(BaseModel):
     """DeepEP (optional extra `deep-ep`, Hopper GPUs, NCCL group within one NVLink host for `normal` mode)."""
 
@@ -56,7 +86,8 @@ class DeepEpDispatchConfig(BaseModel):
 
 
 AnyExpertDispatchConfig = Annotated[
-    AllToAllDispatchConfig | AllToAllCapacityDispatchConfig | DeepEpDispatchConfig, Field(discriminator="kind")
+    AllToAllDispatchConfig | AllToAllCapacityDispatchConfig | AllToAllTokensDispatchConfig | DeepEpDispatchConfig,
+    Field(discriminator="kind"),
 ]
 EXPERT_DISPATCH_CONFIG_ADAPTER: TypeAdapter[AnyExpertDispatchConfig] = TypeAdapter(AnyExpertDispatchConfig)
 
@@ -104,6 +135,10 @@ def build_token_dispatcher(
             return AllToAllDispatcher(group, num_experts)
         case AllToAllCapacityDispatchConfig():
             return AllToAllCapacityDispatcher(group, num_experts, resolved.capacity_factor)
+        case AllToAllTokensDispatchConfig():
+            return AllToAllTokenCapacityDispatcher(
+                group, num_experts, resolved.token_capacity_factor, resolved.copy_capacity_factor
+            )
         case DeepEpDispatchConfig():
             return DeepEpDispatcher(
                 group,

@@ -40,7 +40,9 @@ from d9d.parallel import (
     ByRole,
     FsdpConfig,
     GradientSync,
+    GradientSyncs,
     HsdpConfig,
+    ModuleGradientSync,
     ReplicateConfig,
     SingleDeviceConfig,
     build_data_parallel,
@@ -49,6 +51,7 @@ from d9d.parallel import (
     select_modules,
 )
 from d9d.parallel.context import ContextParallelConfig
+from d9d.parallel.placed import placed_parameters
 
 DEFAULT_UNIT_ROLES = [str(Role.DECODER_LAYER), str(Role.EMBEDDING), str(Role.LM_HEAD)]
 
@@ -100,8 +103,9 @@ def parallelize_qwen3_moe(
     and FSDP over `ep_replicate x tp` (docs/design/0021).
 
     Raises:
-        ValueError: the model's shapes do not divide by `tp`, `kind='replicate'` with `tp > 1` or `ep > 1`, or an `ep`
-            that does not divide the experts.
+        ValueError: the model's shapes do not divide by `tp`, `kind='replicate'` with `tp > 1` or with experts
+            shared by several ranks (`ep` below `dp_replicate * dp_shard * cp`), or an `ep` that does not divide the
+            experts.
     """
     return _parallelize(model, ctx, config, MOE, tensor_parallel or TensorParallelConfig(), context=context)
 
@@ -147,12 +151,25 @@ def _expert_parallel(
     data-parallel step then skips them, and under tp the MoE block's unit over `dp_cp_shard x tp` keeps only the
     router (docs/design/0007, 0021)."""
     degrees = ctx.degrees
-    if isinstance(config, ReplicateConfig | SingleDeviceConfig):
+    if isinstance(config, SingleDeviceConfig):
         raise ValueError(
-            f"{family.name}: expert parallelism (ep={degrees.ep}) needs kind='fsdp' or kind='hsdp' data parallelism, "
-            f"got kind={config.kind!r}: experts are sharded over the expert domain by FSDP over ep_replicate."
+            f"{family.name}: expert parallelism (ep={degrees.ep}) needs kind='fsdp', 'hsdp' or 'replicate' data "
+            f"parallelism, got kind={config.kind!r}: experts are sharded over the expert domain's ranks."
         )
     mixed_precision = config.mixed_precision.build() if config.mixed_precision else None
+    if isinstance(config, ReplicateConfig):
+        # Replicated dense parameters: the experts must need no data-parallel reduction of their own, i.e. each
+        # expert lives on one rank (efsdp = 1); their gradients are whole there (docs/design/0031).
+        efsdp = degrees.expert_replicate() * degrees.tp
+        if efsdp > 1:
+            raise ValueError(
+                f"{family.name}: kind='replicate' with ep={degrees.ep} needs every expert on one rank "
+                f"(dp_replicate*dp_shard*cp = ep, tp=1), but {degrees.describe()} leaves {efsdp} ranks per expert "
+                "shard, whose gradients replicate cannot reduce; use kind='fsdp' or 'hsdp', or set ep to "
+                f"{degrees.expert_fold}."
+            )
+        parallelize_experts(model, ctx, mixed_precision=mixed_precision)
+        return
     parallelize_experts(
         model,
         ctx,
@@ -179,7 +196,11 @@ def _data_parallel(model: nn.Module, ctx: DistributedContext, config: AnyDataPar
         _shard_expert_units(model, ctx, config)
     mesh = ctx.mesh_for(MeshDomain.DENSE)["dp_replicate", "dp_cp_shard"]
     # On a meta-device model, replicate returns a synchroniser that allocates its buckets at the first step.
-    return build_data_parallel(_with_default_units(config), model, mesh)
+    sync = build_data_parallel(_with_default_units(config), model, mesh)
+    if isinstance(config, ReplicateConfig) and ctx.degrees.ep > 1:
+        # The experts are not replicated (their gradients are whole on their rank): clear them at each step too.
+        return GradientSyncs(ModuleGradientSync(model, placed_parameters), sync)
+    return sync
 
 
 def _shard_expert_units(model: nn.Module, ctx: DistributedContext, config: FsdpConfig | HsdpConfig) -> None:

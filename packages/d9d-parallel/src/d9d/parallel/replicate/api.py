@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.utils.hooks import RemovableHandle
 
 from d9d.parallel.mixed_precision import MixedPrecision
+from d9d.parallel.placed import placed_by
 from d9d.parallel.replicate.marker import ReplicateInfo, mark_replicated
 from d9d.parallel.replicate.to_local import LocalParameterScope, holders
 
@@ -38,7 +39,8 @@ def parallelize_replicate(
     they are plain local tensors, converted where they are used (cast to `mixed_precision.param_dtype` if given,
     and floating inputs of `module` too), whose gradients come back as `Partial` sums (see `to_local`). Nothing is
     reduced here: build a `GradientSynchronizer.for_module(module)` to all-reduce the gradients in buckets,
-    overlapped with backward.
+    overlapped with backward. Parameters an earlier step placed on another mesh (`d9d.parallel.placed`: experts at
+    efsdp = 1, whose gradients are whole on their expert-parallel rank) are left as they are and not reduced.
 
     Raises:
         ValueError: a parameter that is already a DTensor (replicate a module once, as a whole).
@@ -51,7 +53,7 @@ def parallelize_replicate(
     distributed: dict[int, nn.Parameter] = {}
     for prefix, owner in module.named_modules(remove_duplicate=False):
         for name, param in list(owner._parameters.items()):
-            if param is None:
+            if param is None or placed_by(owner, name) is not None:
                 continue
             replacement = distributed.get(id(param))
             if replacement is None:
