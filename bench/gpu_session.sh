@@ -18,7 +18,7 @@
 #   ep2c     : design 0029, the static-capacity exchange on 2 GPUs: its NCCL no-sync test, 1 GPU fsdp, then fsdp,
 #              ep-whole (all-to-all) and ep_capacity-whole; compiled rows unless EP_COMPILED=0 (CAPACITY_FACTOR=2.0)
 #   ep4c2    : ep2c's rows on 4 GPUs (the issue's goal size)
-#   ep4g     : design 0031, CUDA-graphed steps: 1 GPU fsdp (layers, single) eager and single graphed; 4 GPUs fsdp,
+#   ep2g/ep4g: design 0031, CUDA-graphed steps: 1 GPU fsdp (layers, single) eager and single graphed; 4 GPUs fsdp,
 #              then ep and ep_tokens (whole, replicate) eager; ep_tokens and ep_capacity replicated and graphed
 #              (EP_COPY_FACTOR, default 2.0); then the NCCL parity tests of graphed EP against eager
 #   kerneltests: GPU tests in the pytest process (kernels at real sizes, models); run after forking parts
@@ -197,17 +197,31 @@ for part in "$@"; do case $part in
       run $gpus 200 ep.log $E --modes fsdp ep ep_capacity --dense-layouts whole --capacity-factor "$cf" \
         --compile-layers --kernels loss --steps 8 --warmup 4 --profile-steps 2 --budget-seconds 185
     fi ;;
-  ep4g)  # design 0031: forward, backward and gradient all-reduce replayed as one CUDA graph; baselines first
-    E=bench/expert_parallel.py
-    run 0 150 ep.log $E --modes fsdp --fsdp-layouts layers single --steps 8 --warmup 3 --profile-steps 0
-    run 0 90 ep.log $E --modes fsdp --fsdp-layouts single --cuda-graph --steps 8 --warmup 3 --profile-steps 0
-    run 0,1,2,3 150 ep.log $E --modes fsdp ep ep_tokens --dense-layouts whole replicate --steps 8 --warmup 3 \
-      --profile-steps 0
-    run 0,1,2,3 150 ep.log $E --modes ep_tokens ep_capacity --dense-layouts replicate --cuda-graph \
-      --copy-capacity-factor "${EP_COPY_FACTOR:-2.0}" --steps 8 --warmup 3 --profile-steps 1 --budget-seconds 140 \
-      --trace-dir "$out/traces"
-    D9D_GPU_TEST_TIMEOUT=130 timeout -s INT 300 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -m gpu \
-      tests/models/test_gpu_cuda_graphed_step.py 2>&1 | tee "$out/ep4g-tests.log" | tail -20 | cut -c1-300 ;;
+  ep2g|ep4g)  # design 0031: forward, backward and gradient all-reduce replayed as one CUDA graph; baselines first.
+         # EP_STEPS picks what runs (default "single eager graphed tests"); EP_COPY_FACTOR the tokens' row capacity.
+    E=bench/expert_parallel.py; gpus=0,1; [ "$part" = ep4g ] && gpus=0,1,2,3
+    steps=" ${EP_STEPS:-single eager graphed tests} "
+    if [[ $steps == *" single "* ]]; then
+      run 0 150 ep.log $E --modes fsdp --fsdp-layouts layers single --steps 8 --warmup 3 --profile-steps 0
+      run 0 90 ep.log $E --modes fsdp --fsdp-layouts single --cuda-graph --steps 8 --warmup 3 --profile-steps 0
+    fi
+    if [[ $steps == *" eager "* ]]; then
+      run $gpus 150 ep.log $E --modes fsdp ep ep_tokens --dense-layouts whole replicate --steps 8 --warmup 3 \
+        --profile-steps 0
+    fi
+    if [[ $steps == *" baseline "* ]]; then
+      run $gpus 90 ep.log $E --modes fsdp --steps 8 --warmup 3 --profile-steps 0
+    fi
+    if [[ $steps == *" graphed "* ]]; then
+      run $gpus 150 ep.log $E --modes ep_tokens ep_capacity --dense-layouts replicate --cuda-graph \
+        --copy-capacity-factor "${EP_COPY_FACTOR:-2.0}" --steps 8 --warmup 3 --profile-steps 1 --budget-seconds 140 \
+        --trace-dir "$out/traces"
+    fi
+    if [[ $steps == *" tests "* ]]; then
+      D9D_GPU_TEST_TIMEOUT=130 timeout -s INT 300 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -m gpu \
+        tests/models/test_gpu_cuda_graphed_step.py 2>&1 | tee "$out/ep4g-tests.log" \
+        | grep -E "passed|failed|Error|File|Thread" | head -60 | cut -c1-300
+    fi ;;
   ep4dtests)  # compiled decoder layers under EP on NCCL against the same run eager, no recompilation after step 1
     timeout 240 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -m gpu \
       tests/models/test_gpu_expert_parallel_compiled.py 2>&1 | tee "$out/ep4d-tests.log" | tail -40 | cut -c1-300 ;;

@@ -106,19 +106,38 @@ class _TokensToSlots(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         (token_slots,) = ctx.saved_tensors
-        return _sum_over_slots(grad, token_slots).to(grad.dtype), None, None
+        return gather_sum(grad, token_slots), None, None
 
 
-def _sum_over_slots(rows: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
-    """`(T, H)` float32: per token, the sum over destinations `d` of `rows[token_slots[t, d]]` (none where not sent);
-    one gather per destination, no `(T, ep, H)` intermediate."""
-    num_slots = rows.shape[0]
-    total = torch.zeros(token_slots.shape[0], rows.shape[-1], dtype=torch.float32, device=rows.device)
-    for d in range(token_slots.shape[1]):
-        slots = token_slots[:, d]
-        gathered = rows.index_select(0, slots.clamp(max=max(num_slots - 1, 0)))
-        total += torch.where((slots < num_slots)[:, None], gathered.float(), 0.0)
-    return total
+def gather_sum(
+    rows: torch.Tensor, index: torch.Tensor, weights: torch.Tensor | None = None, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """`(O, H)` in `dtype` (default `rows.dtype`): `out[o] = sum_j weights[o, j] * rows[index[o, j]]` over the `j`
+    with `index[o, j] < len(rows)` (the others are "none"), accumulated in float32 in `j` order: deterministic. One
+    Triton kernel on a GPU (`triton_kernels`); elsewhere one gather per column `j`, no `(O, K, H)` intermediate."""
+    dtype = dtype or rows.dtype
+    if rows.is_cuda:
+        from d9d.kernels.expert_dispatch.triton_kernels import gather_sum as triton_gather_sum
+
+        return triton_gather_sum(rows, index, weights, dtype)
+    num_rows = rows.shape[0]
+    total = torch.zeros(index.shape[0], rows.shape[-1], dtype=torch.float32, device=rows.device)
+    for j in range(index.shape[1]):
+        column = index[:, j]
+        gathered = rows.index_select(0, column.clamp(max=max(num_rows - 1, 0))).float()
+        if weights is not None:
+            gathered = gathered * weights[:, j, None].float()
+        total += torch.where((column < num_rows)[:, None], gathered, 0.0)
+    return total.to(dtype)
+
+
+def row_dots(a: torch.Tensor, a_index: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`(N,)` float32: `out[p] = <a[a_index[p]], b[p]>` (one Triton kernel on a GPU)."""
+    if b.is_cuda:
+        from d9d.kernels.expert_dispatch.triton_kernels import row_dots as triton_row_dots
+
+        return triton_row_dots(a, a_index, b)
+    return (a.index_select(0, a_index).float() * b.float()).sum(dim=-1)
 
 
 class _SumFromSlots(torch.autograd.Function):
@@ -131,7 +150,7 @@ class _SumFromSlots(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.save_for_backward(slot_token)
         ctx.dtype = returned.dtype
-        return _sum_over_slots(returned, token_slots).to(dtype)
+        return gather_sum(returned, token_slots, dtype=dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
@@ -179,7 +198,7 @@ class _SlotsToExpertRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         (copy_row,) = ctx.saved_tensors
-        return _sum_over_slots(grad, copy_row).to(grad.dtype), None, None, None
+        return gather_sum(grad, copy_row), None, None, None
 
 
 class _WeightedSumPerSlot(torch.autograd.Function):
@@ -190,15 +209,8 @@ class _WeightedSumPerSlot(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, expert_out: torch.Tensor, weights: torch.Tensor, rows: _ExpertRows) -> torch.Tensor:
-        copy_row, kept_copy, num_kept = rows.copy_row, rows.kept_copy, rows.num_kept
-        ctx.save_for_backward(expert_out, weights, kept_copy, num_kept)
-        num_rows = expert_out.shape[0]
-        total = torch.zeros(copy_row.shape[0], expert_out.shape[-1], dtype=torch.float32, device=expert_out.device)
-        for j in range(copy_row.shape[1]):
-            rows = copy_row[:, j]
-            gathered = expert_out.index_select(0, rows.clamp(max=num_rows - 1)).float()
-            total += torch.where((rows < num_rows)[:, None], gathered * weights[:, j, None], 0.0)
-        return total.to(expert_out.dtype)
+        ctx.save_for_backward(expert_out, weights, rows.kept_copy, rows.num_kept)
+        return gather_sum(expert_out, rows.copy_row, weights)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
@@ -206,10 +218,10 @@ class _WeightedSumPerSlot(torch.autograd.Function):
         top_k = weights.shape[1]
         rows = torch.arange(expert_out.shape[0], device=grad.device)
         kept = rows < num_kept  # padding rows (past the groups) belong to no copy: zero, never read
-        slot_grad = grad.index_select(0, kept_copy.div(top_k, rounding_mode="floor")).float()
-        row_weight = weights.reshape(-1).index_select(0, kept_copy)
-        grad_out = torch.where(kept[:, None], slot_grad * row_weight[:, None], 0.0).to(expert_out.dtype)
-        dots = torch.where(kept, (slot_grad * expert_out.float()).sum(dim=-1), 0.0)
+        slot = kept_copy.div(top_k, rounding_mode="floor")
+        row_weight = torch.where(kept, weights.reshape(-1).index_select(0, kept_copy), 0.0)
+        grad_out = gather_sum(grad, slot[:, None], row_weight[:, None], dtype=expert_out.dtype)
+        dots = torch.where(kept, row_dots(grad, slot, expert_out), 0.0)
         # Each kept copy owns one weight: a scatter to distinct places (padding rows write zeros past the end).
         grad_weights = torch.zeros(weights.numel() + 1, dtype=torch.float32, device=grad.device)
         grad_weights.scatter_(0, torch.where(kept, kept_copy, weights.numel()), dots)
