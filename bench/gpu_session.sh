@@ -20,7 +20,7 @@
 #   ep4c2    : ep2c's rows on 4 GPUs (the issue's goal size)
 #   ep2g/ep4g: design 0031, CUDA-graphed steps: 1 GPU fsdp (layers, single) eager and single graphed; 4 GPUs fsdp,
 #              then ep and ep_tokens (whole, replicate) eager; ep_tokens and ep_capacity replicated and graphed
-#              (EP_COPY_FACTOR, default 2.0); then the NCCL parity tests of graphed EP against eager
+#              (EP_COPY_FACTORS, default 2.0); then the NCCL parity tests of graphed EP against eager
 #   kerneltests: GPU tests in the pytest process (kernels at real sizes, models); run after forking parts
 #   compile  : tp2 x dp_shard2 with compiled layers, async TP off and on
 #   pipeline : pipeline schedules at pp=4 (PIPE_SCHEDULES), one launch each
@@ -198,7 +198,8 @@ for part in "$@"; do case $part in
         --compile-layers --kernels loss --steps 8 --warmup 4 --profile-steps 2 --budget-seconds 185
     fi ;;
   ep2g|ep4g)  # design 0031: forward, backward and gradient all-reduce replayed as one CUDA graph; baselines first.
-         # EP_STEPS picks what runs (default "single eager graphed tests"); EP_COPY_FACTOR the tokens' row capacity.
+         # EP_STEPS picks what runs (default "single eager graphed tests"); EP_COPY_FACTORS the tokens' row
+         # capacities (a graphed run each, default 2.0), EP_GRAPH_MODES the graphed modes.
     E=bench/expert_parallel.py; gpus=0,1; [ "$part" = ep4g ] && gpus=0,1,2,3
     steps=" ${EP_STEPS:-single eager graphed tests} "
     if [[ $steps == *" single "* ]]; then
@@ -213,9 +214,11 @@ for part in "$@"; do case $part in
       run $gpus 90 ep.log $E --modes fsdp --steps 8 --warmup 3 --profile-steps 0
     fi
     if [[ $steps == *" graphed "* ]]; then
-      run $gpus 150 ep.log $E --modes ep_tokens ep_capacity --dense-layouts replicate --cuda-graph \
-        --copy-capacity-factor "${EP_COPY_FACTOR:-2.0}" --steps 8 --warmup 3 --profile-steps 1 --budget-seconds 140 \
-        --trace-dir "$out/traces"
+      for cf in ${EP_COPY_FACTORS:-2.0}; do
+        run $gpus 150 ep.log $E --modes ${EP_GRAPH_MODES:-ep_tokens ep_capacity} --dense-layouts replicate \
+          --cuda-graph --copy-capacity-factor "$cf" --steps 8 --warmup 3 --profile-steps "${EP_PROFILE_STEPS:-1}" \
+          --budget-seconds 140 --trace-dir "$out/traces"
+      done
     fi
     if [[ $steps == *" tests "* ]]; then
       D9D_GPU_TEST_TIMEOUT=130 timeout -s INT 300 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -m gpu \

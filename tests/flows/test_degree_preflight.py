@@ -48,6 +48,16 @@ def test_tp_with_replicated_data_parallelism(capsys, tmp_path):
     assert "use kind=fsdp or kind=hsdp" in err
 
 
+def test_replicate_with_experts_shared_by_ranks(capsys, tmp_path):
+    # ep=2 over 4 data ranks: two ranks would hold each expert shard; replicate cannot reduce their gradients.
+    err = _error(
+        capsys, tmp_path, "pretrain", "pretrain.nproc_per_node=4", "pretrain.degrees.ep=2",
+        "pretrain.data_parallel.kind=replicate", preset="micro-moe",
+    )  # fmt: skip
+    assert "pretrain.data_parallel.kind=replicate with pretrain.degrees.ep=2 needs every expert on one rank" in err
+    assert "set pretrain.degrees.ep=4" in err
+
+
 def test_single_rank_data_parallelism_on_several_ranks(capsys, tmp_path):
     err = _error(capsys, tmp_path, "pretrain", "pretrain.data_parallel.kind=single")
     assert "pretrain.data_parallel.kind=single trains one rank without FSDP, but pretrain.degrees.dp_shard=2" in err

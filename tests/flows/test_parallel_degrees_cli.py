@@ -104,6 +104,15 @@ def test_moe_pretrain_with_expert_parallelism_matches_data_parallel_only(workdir
     static = _run(workdir, "pretrain", "moe-ep2-capacity", RANKS, "pretrain.degrees.ep=2", capacity, preset="micro-moe")
     assert "kind: all_to_all_capacity" in (workdir / "moe-ep2-capacity" / "job.yaml").read_text(encoding="utf-8")
     _assert_same_curve(static, baseline)
+    # Replicated dense parameters beside ep = the data ranks, with the token exchange (design 0031): the layout a
+    # CUDA-graphed step needs, from the command line; it adds the tokens' partial sums in another order (float32).
+    tokens = "pretrain.model.decoder.expert_dispatch.kind=all_to_all_tokens"
+    replicated = _run(
+        workdir, "pretrain", "moe-ep4-replicate", RANKS, "pretrain.degrees.ep=4", tokens,
+        "pretrain.data_parallel.kind=replicate", preset="micro-moe",
+    )  # fmt: skip
+    _ran_with(workdir, "moe-ep4-replicate", "pretrain", "pp=1, dp_replicate=1, dp_shard=4, cp=1, tp=1, ep=4")
+    _assert_same_curve(replicated, baseline)
 
 
 def _finetune_base(workdir) -> list[str]:

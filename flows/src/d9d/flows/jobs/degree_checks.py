@@ -83,7 +83,6 @@ def _check_pairs(section: str, degrees: MeshDegrees) -> None:
 # Why each degree needs FSDP or HSDP rather than `replicate` data parallelism.
 _NOT_WITH_REPLICATE = {
     "tp": "FSDP reduces the tensor-parallel gradients of the replicated norms",
-    "ep": "the replicate synchroniser would all-reduce expert gradients over ranks holding different experts",
     "pp": "no parity test covers replicate with pipeline stages yet",
 }
 
@@ -97,6 +96,15 @@ def _check_replicate(section: str, topology: RankTopology, degrees: MeshDegrees)
                 f"{section}.data_parallel.kind=replicate with {section}.degrees.{name}={value} is not supported "
                 f"({reason}); use kind=fsdp or kind=hsdp"
             )
+    # Replicated dense parameters beside experts that live on one rank each (design 0031); experts shared by several
+    # ranks would need a reduction replicate does not do.
+    if degrees.ep > 1 and degrees.expert_replicate() > 1:
+        raise PreflightError(
+            f"{section}.data_parallel.kind=replicate with {section}.degrees.ep={degrees.ep} needs every expert on one "
+            f"rank (ep = dp_replicate*dp_shard*cp = {degrees.expert_fold}), but each expert shard would live on "
+            f"{degrees.expert_replicate()} ranks; set {section}.degrees.ep={degrees.expert_fold}, or use kind=fsdp "
+            "or kind=hsdp"
+        )
 
 
 def _check_single(section: str, topology: RankTopology, degrees: MeshDegrees) -> None:

@@ -30,7 +30,7 @@ from d9d.models.qwen3.moe import Qwen3MoeForCausalLM
 from d9d.models.qwen3.parallelize import parallelize_qwen3_dense, parallelize_qwen3_moe
 from d9d.models.qwen3.params import Qwen3DenseParameters, Qwen3MoeParameters
 from d9d.models.qwen3.tensor_parallel import TensorParallelConfig
-from d9d.parallel import AnyDataParallelConfig, GradientSync
+from d9d.parallel import AnyDataParallelConfig, GradientSync, GradientSyncs
 from d9d.parallel.context import ContextParallelConfig
 from d9d.pipeline import (
     SINGLE_STAGE,
@@ -177,26 +177,11 @@ class _StageBuilder:
         )
         return BuiltModel(
             model=model,
-            gradient_sync=StageGradientSyncs(syncs),
+            gradient_sync=GradientSyncs(*syncs),  # each stage was parallelised alone
             aux_losses=aux,
             subscribers=self.subscribers(model),
             schedule=schedule,
         )
-
-
-class StageGradientSyncs:
-    """The gradient synchronisers of a rank's pipeline stages, driven together (each stage was parallelised alone)."""
-
-    def __init__(self, syncs: list[GradientSync]) -> None:
-        self.syncs = syncs
-
-    def begin_step(self, num_microbatches: int) -> None:
-        for sync in self.syncs:
-            sync.begin_step(num_microbatches)
-
-    def wait(self) -> None:
-        for sync in self.syncs:
-            sync.wait()
 
 
 def model_kind(parameters: AnyModelParameters) -> ModelKind:

@@ -28,14 +28,15 @@ class CudaGraphedStep:
     communicators and the caching allocator settle there, outside the capture.
 
     Raises:
-        RuntimeError: without CUDA, or when `warmup` is below 1 (the capture needs one eager run first).
+        ValueError: `warmup` below 1 (the capture needs one eager run first).
+        RuntimeError: without CUDA.
     """
 
     def __init__(self, body: Callable[[], torch.Tensor], *, warmup: int = 2) -> None:
+        if warmup < 1:
+            raise ValueError(f"warmup must be at least 1 (one eager run before the capture), got warmup={warmup}")
         if not torch.cuda.is_available():
             raise RuntimeError("CudaGraphedStep needs CUDA: CUDA graphs replay GPU kernels only")
-        if warmup < 1:
-            raise RuntimeError(f"warmup must be at least 1 (one eager run before the capture), got {warmup}")
         self._body = body
         self._warmup = warmup
         self._graph: torch.cuda.CUDAGraph | None = None
@@ -54,7 +55,7 @@ class CudaGraphedStep:
         return self._output
 
     def _capture(self) -> None:
-        side = torch.cuda.Stream()
+        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # untyped in torch
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(self._warmup):

@@ -12,14 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
-from d9d.kernels.triton_support import next_power_of_2
+from d9d.kernels.triton_support import row_block
 from d9d.kernels.triton_support.tuning import autotune, warps_configs
 
 _CONFIGS = warps_configs(4, 8, 2)
-
-
-def _block(n_cols: int) -> int:
-    return min(next_power_of_2(n_cols), 4096)
 
 
 @autotune(_CONFIGS, key=["n_cols"])
@@ -73,7 +69,7 @@ def gather_sum(
     if outputs:
         _gather_sum_kernel[(outputs,)](
             src, index, weights.contiguous() if weights is not None else src, dst, src.shape[0], src.shape[1],
-            K=k, HAS_WEIGHTS=weights is not None, BLOCK=_block(src.shape[1]),
+            K=k, HAS_WEIGHTS=weights is not None, BLOCK=row_block(src.shape[1]),
         )  # fmt: skip
     return dst
 
@@ -82,5 +78,5 @@ def row_dots(a: torch.Tensor, a_index: torch.Tensor, b: torch.Tensor) -> torch.T
     a, a_index, b = a.contiguous(), a_index.contiguous(), b.contiguous()
     out = torch.empty(b.shape[0], dtype=torch.float32, device=b.device)
     if b.shape[0]:
-        _row_dots_kernel[(b.shape[0],)](a, a_index, b, out, b.shape[1], BLOCK=_block(b.shape[1]))
+        _row_dots_kernel[(b.shape[0],)](a, a_index, b, out, b.shape[1], BLOCK=row_block(b.shape[1]))
     return out

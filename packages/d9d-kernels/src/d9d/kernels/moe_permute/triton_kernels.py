@@ -8,14 +8,10 @@ import torch
 import triton
 import triton.language as tl
 
-from d9d.kernels.triton_support import next_power_of_2
+from d9d.kernels.triton_support import row_block
 from d9d.kernels.triton_support.tuning import autotune, warps_configs
 
 _CONFIGS = warps_configs(4, 8, 2)
-
-
-def _block(n_cols: int) -> int:
-    return min(next_power_of_2(n_cols), 4096)
 
 
 @autotune(_CONFIGS, key=["n_cols"])
@@ -83,7 +79,7 @@ def gather(src: torch.Tensor, index: torch.Tensor, scale: torch.Tensor | None, d
     if rows:
         _gather_kernel[(rows,)](
             src, index, scale if scale is not None else src, dst, n_cols,
-            DIVISOR=divisor, HAS_SCALE=scale is not None, BLOCK=_block(n_cols),
+            DIVISOR=divisor, HAS_SCALE=scale is not None, BLOCK=row_block(n_cols),
         )  # fmt: skip
     return dst
 
@@ -94,7 +90,7 @@ def combine(src: torch.Tensor, index: torch.Tensor, weights: torch.Tensor | None
     if tokens:
         _combine_kernel[(tokens,)](
             src, index, weights if weights is not None else src, dst, n_cols,
-            TOP_K=top_k, HAS_WEIGHTS=weights is not None, BLOCK=_block(n_cols),
+            TOP_K=top_k, HAS_WEIGHTS=weights is not None, BLOCK=row_block(n_cols),
         )  # fmt: skip
     return dst
 
@@ -102,5 +98,5 @@ def combine(src: torch.Tensor, index: torch.Tensor, weights: torch.Tensor | None
 def dots(a: torch.Tensor, b: torch.Tensor, index: torch.Tensor, top_k: int) -> torch.Tensor:
     out = torch.empty(index.shape[0], dtype=torch.float32, device=a.device)
     if index.shape[0]:
-        _dots_kernel[(index.shape[0],)](a, b, index, out, a.shape[1], TOP_K=top_k, BLOCK=_block(a.shape[1]))
+        _dots_kernel[(index.shape[0],)](a, b, index, out, a.shape[1], TOP_K=top_k, BLOCK=row_block(a.shape[1]))
     return out

@@ -14,6 +14,7 @@ from d9d.kernels.triton_support.runtime import (
     interpreting,
     next_power_of_2,
     reduction_programs,
+    row_block,
 )
 
 __all__ = [
@@ -26,5 +27,6 @@ __all__ = [
     "kernel_op_calls",
     "next_power_of_2",
     "reduction_programs",
+    "row_block",
     "set_kernel_op_calls",
 ]

@@ -55,6 +55,11 @@ def next_power_of_2(value: int) -> int:
     return 1 if value <= 1 else 1 << (value - 1).bit_length()
 
 
+def row_block(n_cols: int) -> int:
+    """The block a row-moving kernel walks a row in: the row's width rounded up to a power of two, at most 4096."""
+    return min(next_power_of_2(n_cols), 4096)
+
+
 def reduction_programs(rows: int, device: torch.device) -> int:
     """How many programs a row-reduction kernel (a weight gradient) splits `rows` over: a few per SM on a GPU (so
     every SM is busy and the float32 partial sums stay small), a handful under the interpreter."""
