@@ -27,6 +27,8 @@ the all-to-all dispatcher's by that one rounding of each partial sum (bfloat16: 
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -109,6 +111,12 @@ class _TokensToSlots(torch.autograd.Function):
         return gather_sum(grad, token_slots), None, None
 
 
+@functools.cache
+def _has_triton() -> bool:
+    """Triton is an optional extra of d9d-kernels: without it a GPU takes the gathers too (slower, same results)."""
+    return importlib.util.find_spec("triton") is not None
+
+
 def gather_sum(
     rows: torch.Tensor, index: torch.Tensor, weights: torch.Tensor | None = None, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
@@ -116,7 +124,7 @@ def gather_sum(
     with `index[o, j] < len(rows)` (the others are "none"), accumulated in float32 in `j` order: deterministic. One
     Triton kernel on a GPU (`triton_kernels`); elsewhere one gather per column `j`, no `(O, K, H)` intermediate."""
     dtype = dtype or rows.dtype
-    if rows.is_cuda:
+    if rows.is_cuda and _has_triton():
         from d9d.kernels.expert_dispatch.triton_kernels import gather_sum as triton_gather_sum
 
         return triton_gather_sum(rows, index, weights, dtype)
@@ -133,7 +141,7 @@ def gather_sum(
 
 def row_dots(a: torch.Tensor, a_index: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """`(N,)` float32: `out[p] = <a[a_index[p]], b[p]>` (one Triton kernel on a GPU)."""
-    if b.is_cuda:
+    if b.is_cuda and _has_triton():
         from d9d.kernels.expert_dispatch.triton_kernels import row_dots as triton_row_dots
 
         return triton_row_dots(a, a_index, b)
