@@ -499,7 +499,7 @@ def main() -> None:
         "--cuda-graph",
         action="store_true",
         help="replay each step's forward, backward and gradient sync as one CUDA graph (design 0031); needs a "
-        "capturable step: ep_capacity or fsdp, with the replicate or single layout",
+        "capturable step: ep_tokens or ep_capacity with the replicate layout, or fsdp with single or replicate",
     )
     parser.add_argument("--optimizer", default="fused", choices=["fused", "torch"], help="the same for every mode")
     parser.add_argument("--steps", type=int, default=20)

@@ -209,8 +209,7 @@ def test_triton_kernels_match_the_pytorch_reference(dtype):
     # The GPU path's kernels, run in Triton's interpreter on CPU tensors, against the per-column PyTorch reference.
     # Both add in the same order in float32; the kernel rounds once, the reference once: equal up to the dtype's
     # rounding of the result (bfloat16: one ulp, rtol 8e-3).
-    from d9d.kernels.expert_dispatch import triton_kernels
-    from d9d.kernels.expert_dispatch.capacity_tokens import gather_sum, row_dots
+    from d9d.kernels.expert_dispatch.capacity_tokens import gather_sum, row_dots, triton_gather_sum, triton_row_dots
 
     generator = torch.Generator().manual_seed(0)
     rows = torch.randn(10, 40, generator=generator).to(dtype)
@@ -218,7 +217,7 @@ def test_triton_kernels_match_the_pytorch_reference(dtype):
     weights = torch.rand(7, 3, generator=generator)
     tol = {"rtol": 8e-3, "atol": 8e-3} if dtype == torch.bfloat16 else {"rtol": 1e-6, "atol": 1e-6}
     for w in (None, weights):
-        got = triton_kernels.gather_sum(rows, index, w, torch.float32)
+        got = triton_gather_sum(rows, index, w, torch.float32)
         torch.testing.assert_close(got, gather_sum(rows, index, w, torch.float32), **tol)
         explicit = torch.stack(
             [sum((rows[i].float() * (1.0 if w is None else w[o, j])) for j, i in enumerate(index[o]) if i < 10)
@@ -227,4 +226,4 @@ def test_triton_kernels_match_the_pytorch_reference(dtype):
         torch.testing.assert_close(got, explicit, **tol)
     a_index = torch.randint(0, 10, (5,), generator=generator)
     b = torch.randn(5, 40, generator=generator).to(dtype)
-    torch.testing.assert_close(triton_kernels.row_dots(rows, a_index, b), row_dots(rows, a_index, b), **tol)
+    torch.testing.assert_close(triton_row_dots(rows, a_index, b), row_dots(rows, a_index, b), **tol)

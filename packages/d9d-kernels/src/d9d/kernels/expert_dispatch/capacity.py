@@ -49,11 +49,15 @@ def check_capacity_factor(capacity_factor: float) -> None:
         )
 
 
+def round_up_rows(rows: int) -> int:
+    """`rows` rounded up to a multiple of `CAPACITY_ALIGNMENT`."""
+    return -(-rows // CAPACITY_ALIGNMENT) * CAPACITY_ALIGNMENT
+
+
 def pair_capacity(num_tokens: int, top_k: int, num_ranks: int, capacity_factor: float) -> int:
     """`C`: rows each rank sends to each rank, `round_up(ceil(capacity_factor * T * k / ep), CAPACITY_ALIGNMENT)`."""
     check_capacity_factor(capacity_factor)
-    rows = math.ceil(capacity_factor * num_tokens * top_k / num_ranks)
-    return -(-rows // CAPACITY_ALIGNMENT) * CAPACITY_ALIGNMENT
+    return round_up_rows(math.ceil(capacity_factor * num_tokens * top_k / num_ranks))
 
 
 class _GatherToSlots(torch.autograd.Function):

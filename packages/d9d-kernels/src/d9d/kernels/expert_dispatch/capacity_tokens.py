@@ -38,20 +38,11 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from d9d.kernels.expert_dispatch.api import DispatchedTokens, check_routing, split_experts
-from d9d.kernels.expert_dispatch.capacity import (
-    CAPACITY_ALIGNMENT,
-    _exchange,
-    _wait,
-    token_count_mismatch_message,
-)
+from d9d.kernels.expert_dispatch.capacity import _exchange, _wait, round_up_rows, token_count_mismatch_message
 from d9d.kernels.expert_dispatch.sorting import count_per_expert, inverse_permutation
 
 DEFAULT_TOKEN_CAPACITY_FACTOR = 1.0
 DEFAULT_COPY_CAPACITY_FACTOR = 2.0
-
-
-def _round_up(rows: int) -> int:
-    return -(-rows // CAPACITY_ALIGNMENT) * CAPACITY_ALIGNMENT
 
 
 def check_token_capacity_factors(token_capacity_factor: float, copy_capacity_factor: float) -> None:
@@ -71,13 +62,13 @@ def check_token_capacity_factors(token_capacity_factor: float, copy_capacity_fac
 
 def token_pair_capacity(num_tokens: int, token_capacity_factor: float) -> int:
     """`C`: token rows each rank sends each rank, `round_up(ceil(token_capacity_factor * T), 16)`."""
-    return _round_up(math.ceil(token_capacity_factor * num_tokens))
+    return round_up_rows(math.ceil(token_capacity_factor * num_tokens))
 
 
 def expert_row_capacity(num_tokens: int, top_k: int, num_ranks: int, copy_capacity_factor: float) -> int:
     """`M`: expert input rows per rank, `round_up(ceil(copy_capacity_factor * T * k), 16)`, at most every copy the
     `ep` sources could send."""
-    return min(_round_up(math.ceil(copy_capacity_factor * num_tokens * top_k)), num_ranks * num_tokens * top_k)
+    return min(round_up_rows(math.ceil(copy_capacity_factor * num_tokens * top_k)), num_ranks * num_tokens * top_k)
 
 
 @dataclass(frozen=True)
@@ -122,11 +113,10 @@ def gather_sum(
 ) -> torch.Tensor:
     """`(O, H)` in `dtype` (default `rows.dtype`): `out[o] = sum_j weights[o, j] * rows[index[o, j]]` over the `j`
     with `index[o, j] < len(rows)` (the others are "none"), accumulated in float32 in `j` order: deterministic. One
-    Triton kernel on a GPU (`triton_kernels`); elsewhere one gather per column `j`, no `(O, K, H)` intermediate."""
+    Triton kernel on a GPU (the MoE permutation's combine, masked); elsewhere one gather per column `j`, no
+    `(O, K, H)` intermediate."""
     dtype = dtype or rows.dtype
     if rows.is_cuda and _has_triton():
-        from d9d.kernels.expert_dispatch.triton_kernels import gather_sum as triton_gather_sum
-
         return triton_gather_sum(rows, index, weights, dtype)
     num_rows = rows.shape[0]
     total = torch.zeros(index.shape[0], rows.shape[-1], dtype=torch.float32, device=rows.device)
@@ -139,11 +129,27 @@ def gather_sum(
     return total.to(dtype)
 
 
+def triton_gather_sum(
+    rows: torch.Tensor, index: torch.Tensor, weights: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """`gather_sum` as the MoE permutation's combine kernel with "none" entries masked (CUDA, or CPU under
+    `TRITON_INTERPRET=1`)."""
+    from d9d.kernels.moe_permute.triton_kernels import combine
+
+    flat_weights = None if weights is None else weights.contiguous().reshape(-1)
+    return combine(rows.contiguous(), index.reshape(-1), flat_weights, index.shape[1], masked=True, dtype=dtype)
+
+
+def triton_row_dots(a: torch.Tensor, a_index: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`row_dots` as the MoE permutation's row-dot kernel, one row of `b` per output (`top_k` 1)."""
+    from d9d.kernels.moe_permute.triton_kernels import dots
+
+    return dots(b.contiguous(), a.contiguous(), a_index.contiguous(), 1)
+
+
 def row_dots(a: torch.Tensor, a_index: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """`(N,)` float32: `out[p] = <a[a_index[p]], b[p]>` (one Triton kernel on a GPU)."""
     if b.is_cuda and _has_triton():
-        from d9d.kernels.expert_dispatch.triton_kernels import row_dots as triton_row_dots
-
         return triton_row_dots(a, a_index, b)
     return (a.index_select(0, a_index).float() * b.float()).sum(dim=-1)
 

@@ -1,6 +1,9 @@
 # mypy: disable-error-code="no-untyped-def, untyped-decorator"
 # (Triton kernel bodies are untyped by design: pointers and constexpr block sizes.)
-"""Triton row movers of the MoE permutation: a scaled gather, a weighted k-way combine, and row dot products."""
+"""Triton row movers of the MoE permutation: a scaled gather, a weighted k-way combine, and row dot products.
+
+The expert-parallel token exchange (`expert_dispatch/capacity_tokens.py`) uses the combine with "none" entries masked
+and the row dots for its slot sums and its weight gradient."""
 
 from __future__ import annotations
 
@@ -38,18 +41,24 @@ def _gather_kernel(
 @autotune(_CONFIGS, key=["n_cols"])
 @triton.jit
 def _combine_kernel(
-    src_ptr, index_ptr, weights_ptr, dst_ptr, n_cols, TOP_K: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
-    BLOCK: tl.constexpr,
+    src_ptr, index_ptr, weights_ptr, dst_ptr, n_src, n_cols, TOP_K: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+    MASKED: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """`dst[t] = sum_s weights[t, s] * src[index[t * TOP_K + s]]`, accumulated in float32."""
+    """`dst[t] = sum_s weights[t, s] * src[index[t * TOP_K + s]]`, accumulated in float32, slots in order; with
+    `MASKED` an index of `n_src` or more is "none" and adds nothing (the token exchange's slot sums)."""
     token = tl.program_id(0).to(tl.int64)
     for start in range(0, n_cols, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < n_cols
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for slot in tl.static_range(TOP_K):
-            source = tl.load(index_ptr + token * TOP_K + slot)
-            values = tl.load(src_ptr + source * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+            source = tl.load(index_ptr + token * TOP_K + slot).to(tl.int64)
+            row_mask = mask
+            if MASKED:
+                valid = source < n_src
+                source = tl.where(valid, source, 0)
+                row_mask = cols < tl.where(valid, n_cols, 0)  # a "none" entry reads nothing
+            values = tl.load(src_ptr + source * n_cols + cols, mask=row_mask, other=0.0).to(tl.float32)
             if HAS_WEIGHTS:
                 values = values * tl.load(weights_ptr + token * TOP_K + slot).to(tl.float32)
             acc += values
@@ -84,13 +93,21 @@ def gather(src: torch.Tensor, index: torch.Tensor, scale: torch.Tensor | None, d
     return dst
 
 
-def combine(src: torch.Tensor, index: torch.Tensor, weights: torch.Tensor | None, top_k: int) -> torch.Tensor:
+def combine(
+    src: torch.Tensor,
+    index: torch.Tensor,
+    weights: torch.Tensor | None,
+    top_k: int,
+    *,
+    masked: bool = False,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     tokens, n_cols = index.shape[0] // top_k, src.shape[1]
-    dst = torch.empty((tokens, n_cols), dtype=src.dtype, device=src.device)
+    dst = torch.empty((tokens, n_cols), dtype=dtype or src.dtype, device=src.device)
     if tokens:
         _combine_kernel[(tokens,)](
-            src, index, weights if weights is not None else src, dst, n_cols,
-            TOP_K=top_k, HAS_WEIGHTS=weights is not None, BLOCK=row_block(n_cols),
+            src, index, weights if weights is not None else src, dst, src.shape[0], n_cols,
+            TOP_K=top_k, HAS_WEIGHTS=weights is not None, MASKED=masked, BLOCK=row_block(n_cols),
         )  # fmt: skip
     return dst
 
