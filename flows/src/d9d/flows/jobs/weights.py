@@ -79,7 +79,9 @@ def save_model_directory(
 ) -> None:
     """Write `state` (this rank's part of the model, see `save_state_directory`; every rank calls this) as a
     d9d-layout safetensors directory, and its `parameters.json` (the model's kind and shapes) from the main
-    process."""
+    process. The directory is complete for every rank once this returns."""
     save_state_directory(directory, state, ctx)
     if ctx.is_main_process:
         write_parameters(directory, parameters)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()

@@ -19,6 +19,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
+from d9d.core.checkpoint import write_durable
 from d9d.core.dist import DistributedContext
 from d9d.core.loop import BuiltModel, EventSubscriber, ModelLoader
 from d9d.models.blocks.compilation import compile_model
@@ -190,10 +191,10 @@ def model_kind(parameters: AnyModelParameters) -> ModelKind:
 
 def write_parameters(directory: Path, parameters: AnyModelParameters) -> Path:
     """`directory/parameters.json`: the model's kind and its `*Parameters` (what `d9d convert` turns into HF's
-    `config.json`)."""
+    `config.json`), written atomically: a reader sees the whole file or none."""
     path = directory / PARAMETERS_FILE
     record = {"kind": model_kind(parameters), **parameters.model_dump(mode="json")}
-    path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    write_durable(path, (json.dumps(record, indent=2) + "\n").encode("utf-8"))
     return path
 
 

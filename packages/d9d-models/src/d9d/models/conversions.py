@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from d9d.core.checkpoint import write_durable
 from d9d.models.catalogue import (
     PARAMETERS_FILE,
     AnyModelParameters,
@@ -128,7 +129,7 @@ def _parameters_to_hf_config(*, moe: bool) -> Callable[[Path, Path, torch.dtype 
             if isinstance(params, Qwen3MoeParameters)
             else hf_config_from_qwen3_dense(params, dtype=dtype)
         )
-        (destination / HF_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        write_durable(destination / HF_CONFIG, (json.dumps(config, indent=2) + "\n").encode("utf-8"))
 
     return convert
 

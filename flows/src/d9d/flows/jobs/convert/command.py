@@ -11,9 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
+from d9d.core.checkpoint import write_durable
 from d9d.models.conversions import describe_mappings, named_mapping
 from d9d.states import DEFAULT_SHARD_BYTES, StatesError, convert_checkpoint
 from d9d.states.convert import refuse_overlap
@@ -64,8 +68,7 @@ def run_convert_command(args: argparse.Namespace) -> int:
             max_shard_bytes=DEFAULT_SHARD_BYTES,
             overwrite=args.overwrite,
         )
-        mapping.convert_config(args.source, args.destination, None)
-        write_record(args.destination, args.mapping, args.source)
+        on_first_rank(lambda: write_side_files(args.source, args.destination, args.mapping))
     except (KeyError, StatesError, DestinationError, FileNotFoundError, FileExistsError) as error:
         message = error.args[0] if isinstance(error, KeyError) else str(error)
         sys.stderr.write(f"d9d: error: {message}\n")
@@ -82,6 +85,29 @@ def run_convert_command(args: argparse.Namespace) -> int:
             'parameters` as JSON, with "kind") and convert again, or rerun the stage that wrote it\n'
         )
     return 0
+
+
+def write_side_files(source: Path, destination: Path, mapping_name: str) -> None:
+    """The destination's config (`config.json` or `parameters.json`, when the source has one) and its record."""
+    named_mapping(mapping_name).convert_config(source, destination, None)
+    write_record(destination, mapping_name, source)
+
+
+def on_first_rank(action: Callable[[], None]) -> None:
+    """Run `action` in this process, or on the first rank only inside a process group: one writer per file, so no
+    rank reads a file another is rewriting. Every rank returns once it is done, raising its error if it failed."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        action()
+        return
+    outcome: list[BaseException | None] = [None]
+    if dist.get_rank() == 0:
+        try:
+            action()
+        except Exception as error:  # noqa: BLE001 - every rank raises it, so none waits for a missing file
+            outcome[0] = error
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        raise outcome[0]
 
 
 def refuse_foreign_files(destination: Path) -> None:
@@ -111,4 +137,4 @@ def write_record(destination: Path, mapping: str, source: Path) -> None:
     """Record the files this conversion wrote into `destination` (what a later `--overwrite` may replace)."""
     files = sorted(str(path.relative_to(destination)) for path in destination.rglob("*") if path.is_file())
     record = {"mapping": mapping, "source": str(source.resolve()), "files": [f for f in files if f != RECORD_FILE]}
-    (destination / RECORD_FILE).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    write_durable(destination / RECORD_FILE, (json.dumps(record, indent=2) + "\n").encode("utf-8"))
