@@ -139,6 +139,10 @@ def _rank_main(
                 # rather than by one rank's collective timing out first.
                 timeout=timedelta(seconds=timeout_seconds + 30),
             )
+            # Creating a gloo group is not a synchronisation point: a rank whose body is short could finish and
+            # destroy its group while a peer is still connecting its mesh, which then fails with "Connection closed
+            # by peer" (the flake seen under load). Past this barrier every rank's mesh is complete.
+            dist.barrier()
         outcome = _Outcome(ok=True, value=body())
     except BaseException:  # noqa: BLE001 - whatever a rank raises (even SystemExit) is reported, not swallowed
         outcome = _Outcome(ok=False, error=traceback.format_exc())
