@@ -9,7 +9,9 @@ import json
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
+from d9d.core.checkpoint import write_durable
 from d9d.models.blocks.late_init import materialize_
 from d9d.models.qwen3.dense import Qwen3DenseForCausalLM
 from d9d.models.qwen3.huggingface import (
@@ -46,7 +48,9 @@ def write_random_hf_checkpoint(
     overwrite: bool = False,
 ) -> Path:
     """Initialise a Qwen3 (dense or MoE, by the type of `params`) from `seed` and write it in the Hugging Face
-    layout at `destination`: the safetensors files (and index) appear at once, then `config.json`."""
+    layout at `destination`: the safetensors files (and index) appear at once, then `config.json`. Collective in a
+    process group (every rank calls it): the ranks write the tensors together, the first rank writes `config.json`
+    (atomically), and every rank returns once it exists."""
     destination = Path(destination)
     torch.manual_seed(seed)
     if isinstance(params, Qwen3MoeParameters):
@@ -60,5 +64,9 @@ def write_random_hf_checkpoint(
     materialize_(model, "cpu")
     state = {name: tensor.to(dtype) for name, tensor in model.state_dict().items()}
     save_model_state(destination, state, mapper, overwrite=overwrite)
-    (destination / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    if not distributed or dist.get_rank() == 0:
+        write_durable(destination / "config.json", (json.dumps(config, indent=2) + "\n").encode("utf-8"))
+    if distributed:
+        dist.barrier()
     return destination
