@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from dispatch_cases import HIDDEN, NUM_EXPERTS, SILENT_RANK, dispatch_and_combine, expert_scale, routing
 from pydantic import ValidationError
 
 from d9d.core.dist import DistributedContext, MeshDegrees
@@ -25,40 +26,11 @@ from d9d.kernels.expert_dispatch import (
 )
 from d9d.kernels.expert_dispatch.capacity import token_count_mismatch_message
 
-NUM_EXPERTS, TOP_K, HIDDEN, TOKENS = 8, 2, 6, 12
-UNUSED = (3, 6)
-SILENT_RANK = 1  # routes no copy at all: sends only padding, still receives and computes
+TOP_K, TOKENS = 2, 12
 
 
 def _routing(rank: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed * 100 + rank)
-    used = torch.tensor([e for e in range(NUM_EXPERTS) if e not in UNUSED])
-    indices = torch.stack([used[torch.randperm(len(used), generator=generator)[:TOP_K]] for _ in range(TOKENS)])
-    if rank == SILENT_RANK:
-        indices = torch.full_like(indices, -1)
-    else:
-        indices[2, 1] = -1  # a copy dropped upstream (the MoE layer's per-expert capacity) goes nowhere
-    weights = torch.rand(TOKENS, TOP_K, generator=generator) + 0.1
-    x = torch.randn(TOKENS, HIDDEN, generator=generator)
-    return x, indices.long(), weights / weights.sum(dim=-1, keepdim=True)
-
-
-def _local_experts(group_sizes: torch.Tensor, first_local: int, num_rows: int) -> torch.Tensor:
-    """Global expert of each row (padding rows past the groups: the last one; they are zeros and never read)."""
-    ends = group_sizes.cumsum(0)
-    local = torch.searchsorted(ends, torch.arange(num_rows), right=True).clamp(max=group_sizes.numel() - 1)
-    return local + first_local
-
-
-def _run(dispatcher, x, indices, weights, first_local: int, upstream: torch.Tensor):
-    """Dispatch, expert `e` scales its rows by `e + 1`, combine; output, number of valid rows and gradients."""
-    x = x.clone().requires_grad_(True)
-    weights = weights.clone().requires_grad_(True)
-    dispatched = dispatcher.dispatch(x, indices, weights)
-    scale = (_local_experts(dispatched.group_sizes, first_local, dispatched.rows.shape[0]).float() + 1.0)[:, None]
-    out = dispatcher.combine(dispatched.rows * scale, dispatched)
-    grads = torch.autograd.grad((out * upstream).sum(), (x, weights))
-    return out.detach(), dispatched, grads
+    return routing(rank, seed, tokens=TOKENS, top_k=TOP_K)
 
 
 @pytest.mark.parametrize("ep", [2, 4])
@@ -73,8 +45,8 @@ def test_without_drops_it_equals_the_all_to_all_dispatcher_exactly(ep):
     for seed in range(3):
         x, indices, weights = _routing(ctx.rank, seed)
         upstream = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(seed + 10 * ctx.rank))
-        out, dispatched, grads = _run(capacity, x, indices, weights, first_local, upstream)
-        ref_out, ref_dispatched, ref_grads = _run(reference, x, indices, weights, first_local, upstream)
+        out, dispatched, grads = dispatch_and_combine(capacity, x, indices, weights, first_local, upstream)
+        ref_out, ref_dispatched, ref_grads = dispatch_and_combine(reference, x, indices, weights, first_local, upstream)
         num_rows = ep * pair_capacity(TOKENS, TOP_K, ep, float(ep))
         assert dispatched.rows.shape == (num_rows, HIDDEN)
         valid = ref_dispatched.rows.shape[0]
@@ -144,7 +116,7 @@ def test_over_capacity_copies_are_dropped_like_a_single_process_reference():
     x = all_x[ctx.rank].clone().requires_grad_(True)
     w = all_w[ctx.rank].clone().requires_grad_(True)
     dispatched = dispatcher.dispatch(x, all_indices[ctx.rank], w)
-    scale = (_local_experts(dispatched.group_sizes, ctx.rank * 2, dispatched.rows.shape[0]).float() + 1.0)[:, None]
+    scale = expert_scale(dispatched.group_sizes, ctx.rank * 2, dispatched.rows.shape[0])
     out = dispatcher.combine(dispatched.rows * scale, dispatched)
     upstream = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(99 + ctx.rank))
     grads = torch.autograd.grad((out * upstream).sum(), (x, w))

@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from dispatch_cases import HIDDEN, NUM_EXPERTS, SILENT_RANK, dispatch_and_combine, routing
 from pydantic import ValidationError
 
 from d9d.core.dist import DistributedContext, MeshDegrees
@@ -28,40 +29,12 @@ from d9d.kernels.expert_dispatch import (
 )
 from d9d.kernels.expert_dispatch.capacity_tokens import check_token_capacity_factors
 
-NUM_EXPERTS, TOP_K, HIDDEN, TOKENS = 8, 3, 6, 12
-UNUSED = (3, 6)
-SILENT_RANK = 1
+TOP_K, TOKENS = 3, 12
 RTOL = ATOL = 1e-6
 
 
 def _routing(rank: int, seed: int, tokens: int = TOKENS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed * 100 + rank)
-    used = torch.tensor([e for e in range(NUM_EXPERTS) if e not in UNUSED])
-    indices = torch.stack([used[torch.randperm(len(used), generator=generator)[:TOP_K]] for _ in range(tokens)])
-    if rank == SILENT_RANK:
-        indices = torch.full_like(indices, -1)
-    else:
-        indices[2, 1] = -1  # dropped upstream (the MoE layer's per-expert capacity): goes nowhere
-    weights = torch.rand(tokens, TOP_K, generator=generator) + 0.1
-    x = torch.randn(tokens, HIDDEN, generator=generator)
-    return x, indices.long(), weights / weights.sum(dim=-1, keepdim=True)
-
-
-def _scale(group_sizes: torch.Tensor, first_local: int, num_rows: int) -> torch.Tensor:
-    """Expert `e` scales its rows by `e + 1`; padding rows past the groups by whatever (never read)."""
-    ends = group_sizes.cumsum(0)
-    local = torch.searchsorted(ends, torch.arange(num_rows), right=True).clamp(max=group_sizes.numel() - 1)
-    return (local + first_local + 1).float()[:, None]
-
-
-def _run(dispatcher, x, indices, weights, first_local: int, upstream: torch.Tensor):
-    x = x.clone().requires_grad_(True)
-    weights = weights.clone().requires_grad_(True)
-    dispatched = dispatcher.dispatch(x, indices, weights)
-    rows = dispatched.rows * _scale(dispatched.group_sizes, first_local, dispatched.rows.shape[0])
-    out = dispatcher.combine(rows, dispatched)
-    grads = torch.autograd.grad((out * upstream).sum(), (x, weights))
-    return out.detach(), dispatched, grads
+    return routing(rank, seed, tokens=tokens, top_k=TOP_K)
 
 
 @pytest.mark.parametrize("ep", [2, 4])
@@ -76,8 +49,8 @@ def test_without_drops_it_equals_the_all_to_all_dispatcher(ep):
     for seed in range(3):
         x, indices, weights = _routing(ctx.rank, seed)
         upstream = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(seed + 10 * ctx.rank))
-        out, dispatched, grads = _run(tokens, x, indices, weights, first_local, upstream)
-        ref_out, ref_dispatched, ref_grads = _run(reference, x, indices, weights, first_local, upstream)
+        out, dispatched, grads = dispatch_and_combine(tokens, x, indices, weights, first_local, upstream)
+        ref_out, ref_dispatched, ref_grads = dispatch_and_combine(reference, x, indices, weights, first_local, upstream)
         assert dispatched.rows.shape == (expert_row_capacity(TOKENS, TOP_K, ep, float(ep)), HIDDEN)
         valid = ref_dispatched.rows.shape[0]
         assert torch.equal(dispatched.rows[:valid], ref_dispatched.rows)
@@ -142,8 +115,8 @@ def test_over_capacity_copies_are_dropped_like_a_single_process_reference():
         expected = _dropping_reference(everyone, 4, capacity, rows)[ctx.rank]
         upstream = torch.randn(num_tokens, HIDDEN, generator=torch.Generator().manual_seed(seed + 10 * ctx.rank))
         before = int(tokens.dropped_copies)
-        out, _, grads = _run(tokens, x, skewed, weights, first_local, upstream)
-        ref_out, _, ref_grads = _run(reference, x, expected, weights, first_local, upstream)
+        out, _, grads = dispatch_and_combine(tokens, x, skewed, weights, first_local, upstream)
+        ref_out, _, ref_grads = dispatch_and_combine(reference, x, expected, weights, first_local, upstream)
         torch.testing.assert_close(out, ref_out, rtol=RTOL, atol=ATOL)
         for got, want in zip(grads, ref_grads, strict=True):
             torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
