@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from d9d.core.dist import DistributedContext
+from d9d.core.dist import DistributedContext, on_first_rank
 from d9d.core.dist.domains import MeshDomain
 from d9d.models.catalogue import AnyModelParameters, write_parameters
 from d9d.pipeline import gather_pipeline_tensors, pipeline_group
@@ -81,7 +81,4 @@ def save_model_directory(
     d9d-layout safetensors directory, and its `parameters.json` (the model's kind and shapes) from the main
     process. The directory is complete for every rank once this returns."""
     save_state_directory(directory, state, ctx)
-    if ctx.is_main_process:
-        write_parameters(directory, parameters)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+    on_first_rank(lambda: write_parameters(directory, parameters))

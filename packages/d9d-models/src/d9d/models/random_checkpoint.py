@@ -9,9 +9,9 @@ import json
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from d9d.core.checkpoint import write_durable
+from d9d.core.dist import on_first_rank
 from d9d.models.blocks.late_init import materialize_
 from d9d.models.qwen3.dense import Qwen3DenseForCausalLM
 from d9d.models.qwen3.huggingface import (
@@ -64,9 +64,6 @@ def write_random_hf_checkpoint(
     materialize_(model, "cpu")
     state = {name: tensor.to(dtype) for name, tensor in model.state_dict().items()}
     save_model_state(destination, state, mapper, overwrite=overwrite)
-    distributed = dist.is_initialized() and dist.get_world_size() > 1
-    if not distributed or dist.get_rank() == 0:
-        write_durable(destination / "config.json", (json.dumps(config, indent=2) + "\n").encode("utf-8"))
-    if distributed:
-        dist.barrier()
+    text = (json.dumps(config, indent=2) + "\n").encode("utf-8")
+    on_first_rank(lambda: write_durable(destination / "config.json", text))
     return destination

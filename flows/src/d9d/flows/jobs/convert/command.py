@@ -11,13 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from d9d.core.checkpoint import write_durable
+from d9d.core.dist import on_first_rank
 from d9d.models.conversions import describe_mappings, named_mapping
 from d9d.states import DEFAULT_SHARD_BYTES, StatesError, convert_checkpoint
 from d9d.states.convert import refuse_overlap
@@ -91,23 +89,6 @@ def write_side_files(source: Path, destination: Path, mapping_name: str) -> None
     """The destination's config (`config.json` or `parameters.json`, when the source has one) and its record."""
     named_mapping(mapping_name).convert_config(source, destination, None)
     write_record(destination, mapping_name, source)
-
-
-def on_first_rank(action: Callable[[], None]) -> None:
-    """Run `action` in this process, or on the first rank only inside a process group: one writer per file, so no
-    rank reads a file another is rewriting. Every rank returns once it is done, raising its error if it failed."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        action()
-        return
-    outcome: list[BaseException | None] = [None]
-    if dist.get_rank() == 0:
-        try:
-            action()
-        except Exception as error:  # noqa: BLE001 - every rank raises it, so none waits for a missing file
-            outcome[0] = error
-    dist.broadcast_object_list(outcome, src=0)
-    if outcome[0] is not None:
-        raise outcome[0]
 
 
 def refuse_foreign_files(destination: Path) -> None:

@@ -27,8 +27,6 @@ the all-to-all dispatcher's by that one rounding of each partial sum (bfloat16: 
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +38,7 @@ import torch.distributed._functional_collectives as funcol
 from d9d.kernels.expert_dispatch.api import DispatchedTokens, check_routing, split_experts
 from d9d.kernels.expert_dispatch.capacity import _exchange, _wait, round_up_rows, token_count_mismatch_message
 from d9d.kernels.expert_dispatch.sorting import count_per_expert, inverse_permutation
+from d9d.kernels.triton_support import triton_importable
 
 DEFAULT_TOKEN_CAPACITY_FACTOR = 1.0
 DEFAULT_COPY_CAPACITY_FACTOR = 2.0
@@ -102,12 +101,6 @@ class _TokensToSlots(torch.autograd.Function):
         return gather_sum(grad, token_slots), None, None
 
 
-@functools.cache
-def _has_triton() -> bool:
-    """Triton is an optional extra of d9d-kernels: without it a GPU takes the gathers too (slower, same results)."""
-    return importlib.util.find_spec("triton") is not None
-
-
 def gather_sum(
     rows: torch.Tensor, index: torch.Tensor, weights: torch.Tensor | None = None, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
@@ -116,7 +109,7 @@ def gather_sum(
     Triton kernel on a GPU (the MoE permutation's combine, masked); elsewhere one gather per column `j`, no
     `(O, K, H)` intermediate."""
     dtype = dtype or rows.dtype
-    if rows.is_cuda and _has_triton():
+    if rows.is_cuda and triton_importable():
         return triton_gather_sum(rows, index, weights, dtype)
     num_rows = rows.shape[0]
     total = torch.zeros(index.shape[0], rows.shape[-1], dtype=torch.float32, device=rows.device)
@@ -149,7 +142,7 @@ def triton_row_dots(a: torch.Tensor, a_index: torch.Tensor, b: torch.Tensor) -> 
 
 def row_dots(a: torch.Tensor, a_index: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """`(N,)` float32: `out[p] = <a[a_index[p]], b[p]>` (one Triton kernel on a GPU)."""
-    if b.is_cuda and _has_triton():
+    if b.is_cuda and triton_importable():
         return triton_row_dots(a, a_index, b)
     return (a.index_select(0, a_index).float() * b.float()).sum(dim=-1)
 

@@ -15,6 +15,7 @@ from d9d.kernels.triton_support.runtime import (
     next_power_of_2,
     reduction_programs,
     row_block,
+    triton_importable,
 )
 
 __all__ = [
@@ -29,4 +30,5 @@ __all__ = [
     "reduction_programs",
     "row_block",
     "set_kernel_op_calls",
+    "triton_importable",
 ]

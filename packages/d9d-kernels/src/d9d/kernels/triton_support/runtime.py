@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import os
 from types import ModuleType
 
@@ -26,6 +27,13 @@ def import_triton() -> ModuleType:
             f"the Triton kernels need the triton package, which is not importable ({error}); install it with "
             "`pip install d9d-kernels[triton]`, or choose kind='eager'"
         ) from error
+
+
+@functools.cache
+def triton_importable() -> bool:
+    """Whether the optional `triton` package is installed (found without importing it; cached): for code that
+    takes a PyTorch path without it rather than failing, where `import_triton` would raise."""
+    return importlib.util.find_spec("triton") is not None
 
 
 def check_triton_device(*tensors: torch.Tensor) -> None:
